@@ -1,0 +1,89 @@
+"""`stare-agent` command line: one subcommand per pipeline stage.
+
+Each command takes `--config FILE` (YAML) and `section.key=value` overrides; the resolved config is
+written into the run directory. Commands that are not built yet say so and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+import yaml
+
+from stare_agent.config import ConfigError, SimulateConfig, load_config, to_dict
+
+# Commands of the pipeline that this version does not provide yet, and what they will do.
+NOT_BUILT = {
+    "sft": "cold-start SFT on ReTool-style transcripts",
+    "rl": "multi-turn RL with GRPO and STARE",
+    "eval": "tool-integrated evaluation on math benchmarks",
+    "quickstart": "the end-to-end CPU quickstart (tiny model, SFT, RL, eval)",
+    "plot": "redraw a run's plots from its metrics",
+    "data": "SFT transcript generation and data tools",
+    "sandbox": "the Python execution sandbox service",
+}
+
+# Commands that take a config: name -> root config class.
+CONFIGS: dict[str, type] = {"simulate": SimulateConfig}
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML config file (defaults apply to keys it omits)")
+    parser.epilog = "Any number of section.key=value overrides may follow, before or after --config."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stare-agent", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    simulate = sub.add_parser("simulate", help="STARE dynamics on a toy task: GRPO vs STARE entropy curves")
+    _add_config_args(simulate)
+
+    show = sub.add_parser("config", help="print the resolved config of a command as YAML")
+    show.add_argument("for_command", choices=sorted(CONFIGS), metavar="COMMAND", help=", ".join(sorted(CONFIGS)))
+    _add_config_args(show)
+
+    for name, what in NOT_BUILT.items():
+        sub.add_parser(name, help=f"{what} (not available yet)")
+    return parser
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from stare_agent import simulate
+
+    simulate.run(load_config(SimulateConfig, args.config, args.overrides))
+    return 0
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    config = load_config(CONFIGS[args.for_command], args.config, args.overrides)
+    print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+    return 0
+
+
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {"simulate": _simulate, "config": _show_config}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in NOT_BUILT:
+        print(f"stare-agent {argv[0]}: not available yet in this version ({NOT_BUILT[argv[0]]}).", file=sys.stderr)
+        return 2
+    parser = build_parser()
+    # Overrides are the leftover `key=value` words, so they may stand before or after --config.
+    args, extra = parser.parse_known_args(argv)
+    bad = [word for word in extra if "=" not in word or word.startswith("-")]
+    if bad or (extra and args.command not in CONFIGS and args.command != "config"):
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra)} (overrides look like section.key=value)")
+    args.overrides = extra
+    try:
+        return HANDLERS[args.command](args)
+    except ConfigError as exc:
+        print(f"stare-agent {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""STARE dynamics on a toy: does plain GRPO collapse entropy, and does the gate hold it at the target?
+
+The policy is tabular: every (prompt, position) is an independent softmax over a small vocabulary,
+trained by the exact GRPO policy gradient (on-policy, so the importance ratio is 1 and clipping
+never binds) with plain SGD on the logits, on groups sampled each step. The reward is verifiable:
+a response is correct iff at most `max_wrong` of its positions hold a token outside that
+position's valid set. Several tokens are valid per position, so the reward never needs entropy
+to fall to zero; plain GRPO drives it down anyway.
+
+What this simplifies, compared with an LLM: positions do not share parameters or condition on each
+other, all responses have the same length, and there is no tool call. Surprisal, entropy, S2 and
+the STARE weights are computed exactly as in training (stare.py, theory.py, loss.py).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stare_agent.config import SimulateConfig, StareConfig, ToyTaskConfig, make_run_dir, save_config
+from stare_agent.loss import group_advantages, policy_loss
+from stare_agent.stare import StareController, select_quadrants
+from stare_agent.theory import batch_diagnostics, entropy_and_s2
+
+# Columns of simulate.csv, one row per (run, step).
+COLUMNS = [
+    "run",
+    "step",
+    "entropy",
+    "entropy_all",
+    "reward",
+    "gate",
+    "w",
+    "weight_mean",
+    "critical_weight",
+    "proxy_precision",
+    "informative_groups",
+]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One training run of the sweep."""
+
+    name: str
+    stare: StareConfig
+
+
+def sweep(config: SimulateConfig) -> list[Variant]:
+    """GRPO, O1 open loop for each open_loop_w, and O1 gated for each gated_w."""
+    base = config.stare
+    gated = base.gate if base.gate != "off" else "batch"
+    variants = [Variant("grpo", dataclasses.replace(base, enabled=False))]
+    for w in config.open_loop_w:
+        variants.append(Variant(f"O1 open W={w:g}", dataclasses.replace(base, op="O1", w=w, gate="off")))
+    for w in config.gated_w:
+        name = f"O1 {gated} gate W={w:g}"
+        variants.append(Variant(name, dataclasses.replace(base, op="O1", w=w, gate=gated, schedule="fixed")))
+    return variants
+
+
+def train_toy(task: ToyTaskConfig, stare: StareConfig, seed: int) -> list[dict[str, float]]:
+    """One run; returns one metrics row per step. The problem and the initial policy depend only on the seed."""
+    gen = torch.Generator().manual_seed(seed)
+    # The first `valid_tokens` of a random permutation are the valid tokens of each position.
+    order = torch.rand(task.prompts, task.length, task.vocab, generator=gen).argsort(-1)
+    valid = order.argsort(-1) < task.valid_tokens  # (P, L, V) bool
+    logits = torch.randn(task.prompts, task.length, task.vocab, generator=gen) * task.init_std
+    logits = (logits + task.valid_bias * valid).requires_grad_()
+    controller = StareController(stare)
+    rows = []
+    for step in range(task.steps):
+        prompt_ids = torch.randperm(task.prompts, generator=gen)[: task.batch_prompts]
+        idx = prompt_ids.repeat_interleave(task.group_size)  # (B,), groups contiguous
+        z = logits[idx]  # (B, L, V)
+        logp_all = torch.log_softmax(z, dim=-1)
+        tokens = torch.multinomial(logp_all.detach().exp().view(-1, task.vocab), 1, generator=gen)
+        tokens = tokens.view(len(idx), task.length)
+        logp = logp_all.gather(-1, tokens[..., None]).squeeze(-1)  # (B, L)
+        wrong = ~valid[idx].gather(-1, tokens[..., None]).squeeze(-1)
+        reward = (wrong.sum(dim=1) <= task.max_wrong).float()
+        advantages = group_advantages(reward, task.group_size)
+        action_mask = torch.ones_like(logp)  # (B, L); every position is sampled by the policy
+        surprisal = -logp.detach()
+        entropy, s2 = entropy_and_s2(z.detach())
+        weights, stare_metrics = controller(surprisal, advantages, action_mask, entropy)
+        loss, _ = policy_loss(
+            logp, logp.detach(), advantages, action_mask, eps_low=0.2, eps_high=0.28, weights=weights
+        )
+        (grad,) = torch.autograd.grad(loss, logits)
+        with torch.no_grad():
+            logits -= task.lr * grad
+        high_pos = select_quadrants(surprisal, advantages, action_mask, stare.top_ratio, ("high+",))["high+"]
+        theory = batch_diagnostics(surprisal, advantages, action_mask, entropy, s2, high_pos)
+        with torch.no_grad():
+            entropy_all = entropy_and_s2(logits)[0].mean()
+        rows.append(
+            {
+                "step": step,
+                "entropy": float(entropy.mean()),
+                "entropy_all": float(entropy_all),
+                "reward": float(reward.mean()),
+                "gate": float(stare_metrics.get("stare/gate", torch.tensor(float("nan")))),
+                "w": controller.w if stare.enabled else 1.0,
+                "weight_mean": float(weights.mean()),
+                "critical_weight": float(theory["theory/critical_weight"]),
+                "proxy_precision": float(theory["theory/proxy_precision"]),
+                "informative_groups": float((reward.view(-1, task.group_size).std(dim=1) > 0).float().mean()),
+            }
+        )
+    return rows
+
+
+def window_mean(rows: list[dict[str, float]], key: str, window: int) -> float:
+    values = [r[key] for r in rows[-window:] if r[key] == r[key]]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(config: SimulateConfig, results: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per run: final-window entropy (mean, min, max), reward, and the median critical weight over training."""
+    window = max(1, config.toy.steps // 5)
+    summary = {}
+    for name, rows in results.items():
+        tail = [r["entropy"] for r in rows[-window:]]
+        crit = sorted(r["critical_weight"] for r in rows if r["critical_weight"] == r["critical_weight"])
+        summary[name] = {
+            "final_entropy": window_mean(rows, "entropy", window),
+            "final_entropy_min": min(tail),
+            "final_entropy_max": max(tail),
+            "final_reward": window_mean(rows, "reward", window),
+            "final_informative_groups": window_mean(rows, "informative_groups", window),
+            "critical_weight_median": crit[len(crit) // 2] if crit else float("nan"),
+            "proxy_precision_mean": window_mean(rows, "proxy_precision", len(rows)),
+        }
+    return summary
+
+
+def plot(run_dir: Path, config: SimulateConfig, results: dict[str, list[dict[str, float]]]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    target = config.stare.target_entropy
+    groups = {
+        "entropy_open_loop.png": ("O1 open loop vs GRPO", [n for n in results if n == "grpo" or " open " in n]),
+        "entropy_gated.png": ("O1 with the gate vs GRPO", [n for n in results if n == "grpo" or " gate " in n]),
+    }
+    paths = []
+    for filename, (title, names) in groups.items():
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for name in names:
+            ax.plot([r["entropy"] for r in results[name]], label=name, lw=1.2)
+        ax.axhline(target, color="k", ls="--", lw=0.8, label=f"H_tgt = {target:g}")
+        ax.set(xlabel="step", ylabel="batch mean entropy (nats)", title=title)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(run_dir / filename, dpi=110)
+        plt.close(fig)
+        paths.append(run_dir / filename)
+
+    fig, (ax_w, ax_r) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in [n for n in results if n == "grpo" or " gate " in n]:
+        ax_w.plot([r["critical_weight"] for r in results[name]], label=name, lw=1)
+        ax_r.plot([r["reward"] for r in results[name]], label=name, lw=1)
+    ax_w.axhline(1.0, color="k", lw=0.6)
+    ax_w.set(xlabel="step", ylabel="W* = 1 + Lambda/Gamma", title="critical weight per step", ylim=(0, 4))
+    ax_r.set(xlabel="step", ylabel="mean reward", title="reward")
+    ax_w.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "critical_weight_reward.png", dpi=110)
+    plt.close(fig)
+    paths.append(run_dir / "critical_weight_reward.png")
+    return paths
+
+
+def run(config: SimulateConfig) -> Path:
+    """Train every variant of the sweep; write simulate.csv, summary.json, plots and config.yaml."""
+    run_dir = make_run_dir(config.run, "simulate")
+    save_config(config, run_dir)
+    results = {}
+    started = time.perf_counter()
+    for variant in sweep(config):
+        results[variant.name] = train_toy(config.toy, variant.stare, config.run.seed)
+    elapsed = time.perf_counter() - started
+    with open(run_dir / "simulate.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for name, rows in results.items():
+            for row in rows:
+                writer.writerow({"run": name, **row})
+    summary = summarize(config, results)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plots = plot(run_dir, config, results)
+    print(format_summary(summary, config.stare.target_entropy))
+    print(f"\n{len(results)} runs x {config.toy.steps} steps in {elapsed:.1f}s. Wrote to {run_dir}/:")
+    for path in [run_dir / "simulate.csv", run_dir / "summary.json", *plots, run_dir / "config.yaml"]:
+        print(f"  {path.name}")
+    return run_dir
+
+
+def format_summary(summary: dict[str, dict[str, float]], target: float) -> str:
+    header = f"{'run':<22} {'final H':>8} {'H range':>15} {'reward':>7} {'W* median':>10} {'proxy prec':>10}"
+    lines = [f"final window = last 20% of steps; H_tgt = {target:g}", header]
+    for name, s in summary.items():
+        span = f"[{s['final_entropy_min']:.3f}, {s['final_entropy_max']:.3f}]"
+        lines.append(
+            f"{name:<22} {s['final_entropy']:>8.3f} {span:>15} {s['final_reward']:>7.3f} "
+            f"{s['critical_weight_median']:>10.3f} {s['proxy_precision_mean']:>10.3f}"
+        )
+    return "\n".join(lines)

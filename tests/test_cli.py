@@ -1,0 +1,71 @@
+"""The `stare-agent` command: real subprocesses of the installed entry point."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from stare_agent.cli import NOT_BUILT, main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("stare-agent")
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "stare_agent.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_every_command():
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for name in ["simulate", "config", *NOT_BUILT]:
+        assert name in out.stdout
+
+
+@pytest.mark.parametrize("name", sorted(NOT_BUILT))
+def test_unbuilt_commands_say_so(name, capsys):
+    assert main([name, "--config", "x.yaml"]) == 2
+    err = capsys.readouterr()
+    assert "not available yet" in err.err and err.out == ""
+
+
+def test_config_command_prints_resolved_yaml():
+    out = run_cli("config", "simulate", "--config", "configs/simulate.yaml", "stare.gate=token", "toy.steps=3")
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["stare"]["gate"] == "token" and resolved["toy"]["steps"] == 3
+
+
+def test_config_errors_exit_2_with_message():
+    out = run_cli("simulate", "stare.gate=btach")
+    assert out.returncode == 2
+    assert "stare.gate" in out.stderr and "'batch', 'sample', 'token' or 'off'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_simulate_small_run_writes_everything(tmp_path):
+    out = run_cli(
+        "simulate",
+        f"run.output_dir={tmp_path}",
+        "run.name=tiny",
+        "toy.steps=6",
+        "toy.prompts=8",
+        "toy.batch_prompts=4",
+        "toy.length=16",
+        "open_loop_w=[2]",
+        "gated_w=[1.5]",
+    )
+    assert out.returncode == 0, out.stderr
+    run_dir = tmp_path / "tiny"
+    for name in ["simulate.csv", "summary.json", "config.yaml", "entropy_open_loop.png", "entropy_gated.png"]:
+        assert (run_dir / name).stat().st_size > 0, name
+    rows = list(csv.DictReader(open(run_dir / "simulate.csv")))
+    assert {r["run"] for r in rows} == {"grpo", "O1 open W=2", "O1 batch gate W=1.5"}
+    assert len(rows) == 3 * 6
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["toy"]["steps"] == 6
+    assert set(json.loads((run_dir / "summary.json").read_text())) == {r["run"] for r in rows}

@@ -1,0 +1,103 @@
+"""Config loading: defaults, YAML, overrides, and errors that say what and where."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stare_agent.config import ConfigError, SimulateConfig, StareConfig, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_come_from_the_dataclasses():
+    config = load_config(SimulateConfig)
+    assert config == SimulateConfig()
+    assert config.stare == StareConfig()
+
+
+def test_file_then_overrides_take_precedence(tmp_path):
+    path = write(tmp_path, "stare:\n  w: 1.3\n  gate: sample\nrun:\n  seed: 4\n")
+    config = load_config(SimulateConfig, path, ["stare.w=2", "toy.steps=7", "run.name=007"])
+    assert config.stare.w == 2.0 and isinstance(config.stare.w, float)
+    assert config.stare.gate == "sample"
+    assert config.run.seed == 4 and config.toy.steps == 7
+    assert config.run.name == "007"  # a str field keeps the text, not the int 7
+
+
+def test_override_types_lists_maps_and_bools():
+    config = load_config(
+        SimulateConfig, None, ["open_loop_w=[1.5, 3]", "stare.op={high+: 2, low-: 1.5}", "stare.enabled=false"]
+    )
+    assert config.open_loop_w == [1.5, 3.0]
+    assert config.stare.op == {"high+": 2.0, "low-": 1.5}
+    assert config.stare.enabled is False
+
+
+def test_unknown_key_in_file_names_file_line_and_suggestion(tmp_path):
+    path = write(tmp_path, "run:\n  seed: 1\nstare:\n  gate: batch\n  targt_entropy: 0.2\n")
+    with pytest.raises(
+        ConfigError, match=r"c\.yaml:5: unknown key 'stare\.targt_entropy' \(did you mean 'target_entropy'"
+    ):
+        load_config(SimulateConfig, path)
+
+
+def test_unknown_section_and_override_key():
+    with pytest.raises(ConfigError, match=r"override 'stare\.gat=off': unknown key 'stare\.gat'.*'gate'"):
+        load_config(SimulateConfig, None, ["stare.gat=off"])
+    with pytest.raises(ConfigError, match="unknown key 'optim'"):
+        load_config(SimulateConfig, None, ["optim.lr=1"])
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(SimulateConfig, None, ["stare.gate"])
+    with pytest.raises(ConfigError, match="stare is a section"):
+        load_config(SimulateConfig, None, ["stare=3"])
+
+
+def test_bad_value_names_allowed_values_and_where(tmp_path):
+    path = write(tmp_path, "stare:\n  gate: btach\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(SimulateConfig, path)
+    message = str(info.value)
+    assert f"{path}:2: stare.gate:" in message
+    assert "'batch', 'sample', 'token' or 'off'" in message and "got 'btach'" in message
+    with pytest.raises(ConfigError, match=r"override 'toy.steps=many'.*toy\.steps.*valid integer"):
+        load_config(SimulateConfig, None, ["toy.steps=many"])
+
+
+def test_range_checks_cite_the_source(tmp_path):
+    path = write(tmp_path, "toy:\n  length: 8\n")
+    with pytest.raises(ConfigError, match=r"override 'toy\.max_wrong=9'.*max_wrong must be in \[0, length\)"):
+        load_config(SimulateConfig, path, ["toy.max_wrong=9"])
+    with pytest.raises(ConfigError, match=r"stare: w must be >= 1"):
+        load_config(SimulateConfig, None, ["stare.w=0.5"])
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(SimulateConfig, tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(SimulateConfig, write(tmp_path, "stare: [\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(SimulateConfig, write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_empty_file_means_defaults(tmp_path):
+    assert load_config(SimulateConfig, write(tmp_path, "")) == SimulateConfig()
+
+
+def test_saved_config_loads_back_equal(tmp_path):
+    config = load_config(SimulateConfig, None, ["stare.op={high+: 1.4}", "stare.schedule=adaptive", "toy.lr=5"])
+    path = save_config(config, tmp_path)
+    assert load_config(SimulateConfig, path) == config
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("**/*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    load_config(SimulateConfig, path)

@@ -1,0 +1,48 @@
+"""Import rules of DESIGN section 2: the math imports nothing but torch and the standard library basics,
+and the shared modules import no training framework."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "stare_agent"
+MATH_MODULES = ["stare.py", "theory.py", "loss.py"]
+MATH_ALLOWED = {"torch", "math", "typing", "dataclasses", "fractions", "collections", "__future__"}
+SHARED_MODULES = ["stare.py", "theory.py", "loss.py", "protocol.py", "agent.py", "reward.py", "data.py", "config.py"]
+FRAMEWORKS = {"openrlhf", "vllm", "ray", "deepspeed", "flash_attn"}
+
+
+def imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("name", MATH_MODULES)
+def test_math_modules_import_only_torch_and_basics(name):
+    assert imported_roots(PACKAGE / name) <= MATH_ALLOWED
+
+
+@pytest.mark.parametrize("name", [n for n in SHARED_MODULES if (PACKAGE / n).exists()])
+def test_shared_modules_import_no_framework(name):
+    assert not imported_roots(PACKAGE / name) & FRAMEWORKS
+
+
+def test_importing_the_math_loads_nothing_else():
+    code = (
+        "import sys, stare_agent.stare, stare_agent.theory, stare_agent.loss\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'openrlhf','vllm','ray','deepspeed','transformers','yaml','pydantic'})\n"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
