@@ -39,6 +39,8 @@ def entropy_and_s2(logits: Tensor, chunk_size: int | None = None) -> tuple[Tenso
         stop = min(start + chunk_size, rows)
         logp = torch.log_softmax(flat[start:stop].float(), dim=-1)
         p = logp.exp()
+        # Masked (-inf) logits have p = 0; a finite floor keeps 0 * log 0 at 0 instead of NaN.
+        logp.clamp_(min=torch.finfo(logp.dtype).min)
         h = -(p * logp).sum(-1)
         # In place from here on: logp becomes p^2 (ln p + H), so no fourth block is allocated.
         s2[start:stop] = logp.add_(h[:, None]).mul_(p).mul_(p).sum(-1)
@@ -88,14 +90,16 @@ def batch_diagnostics(
     adv = advantages[:, None].expand_as(surprisal) if advantages.dim() == 1 else advantages
     s = surprisal.double()
     a_phi = adv.double() * phi(torch.exp(-s), entropy.double(), s2.double())
-    lam = (a_phi * mask).sum()
-    gam = -(a_phi * high_pos).sum()
+    zero = torch.zeros((), dtype=a_phi.dtype, device=a_phi.device)
+    lam = torch.where(mask, a_phi, zero).sum()  # where, not a product: masked positions may hold NaN
+    gam = -torch.where(high_pos, a_phi, zero).sum()
+    critical_weight = torch.where(high_pos.any(), 1.0 + lam / gam, torch.full_like(lam, float("nan")))
     s_star = critical_surprisal(entropy[high_pos], s2[high_pos])
     precision = (surprisal[high_pos] > s_star).double().mean()
     return {
         "theory/lambda": lam.float(),
         "theory/gamma": gam.float(),
-        "theory/critical_weight": (1.0 + lam / gam).float(),
+        "theory/critical_weight": critical_weight.float(),
         "theory/proxy_precision": precision.float(),
         "theory/critical_surprisal_mean": s_star.double().mean().float(),
     }
