@@ -26,7 +26,7 @@ import torch
 from stare_agent.config import SimulateConfig, StareConfig, ToyTaskConfig, make_run_dir, save_config
 from stare_agent.loss import group_advantages, policy_loss
 from stare_agent.stare import StareController, select_quadrants
-from stare_agent.theory import batch_diagnostics, entropy_and_s2
+from stare_agent.theory import batch_diagnostics, entropy_and_s2, phi
 
 # Columns of simulate.csv, one row per (run, step).
 COLUMNS = [
@@ -34,6 +34,8 @@ COLUMNS = [
     "step",
     "entropy",
     "entropy_all",
+    "entropy_all_change",
+    "entropy_all_change_first_order",
     "reward",
     "gate",
     "w",
@@ -74,6 +76,8 @@ def train_toy(task: ToyTaskConfig, stare: StareConfig, seed: int) -> list[dict[s
     logits = torch.randn(task.prompts, task.length, task.vocab, generator=gen) * task.init_std
     logits = (logits + task.valid_bias * valid).requires_grad_()
     controller = StareController(stare)
+    positions = task.prompts * task.length
+    entropy_all = entropy_and_s2(logits.detach())[0].mean()
     rows = []
     for step in range(task.steps):
         prompt_ids = torch.randperm(task.prompts, generator=gen)[: task.batch_prompts]
@@ -98,13 +102,18 @@ def train_toy(task: ToyTaskConfig, stare: StareConfig, seed: int) -> list[dict[s
             logits -= task.lr * grad
         high_pos = select_quadrants(surprisal, advantages, action_mask, stare.top_ratio, ("high+",))["high+"]
         theory = batch_diagnostics(surprisal, advantages, action_mask, entropy, s2, high_pos)
-        with torch.no_grad():
-            entropy_all = entropy_and_s2(logits)[0].mean()
+        # First-order prediction of this step's change of the mean entropy over all (prompt, position):
+        # each sampled token moves its position's logits by (lr / N) * omega * A * (e_a - pi).
+        a_phi = weights * advantages[:, None] * phi(logp.detach().exp(), entropy, s2)
+        predicted = -task.lr / action_mask.sum() * a_phi.sum() / positions
+        previous, entropy_all = entropy_all, entropy_and_s2(logits.detach())[0].mean()
         rows.append(
             {
                 "step": step,
                 "entropy": float(entropy.mean()),
                 "entropy_all": float(entropy_all),
+                "entropy_all_change": float(entropy_all - previous),
+                "entropy_all_change_first_order": float(predicted),
                 "reward": float(reward.mean()),
                 "gate": float(stare_metrics.get("stare/gate", torch.tensor(float("nan")))),
                 "w": controller.w if stare.enabled else 1.0,
@@ -137,6 +146,8 @@ def summarize(config: SimulateConfig, results: dict[str, list[dict[str, float]]]
             "final_informative_groups": window_mean(rows, "informative_groups", window),
             "critical_weight_median": crit[len(crit) // 2] if crit else float("nan"),
             "proxy_precision_mean": window_mean(rows, "proxy_precision", len(rows)),
+            "entropy_all_change": sum(r["entropy_all_change"] for r in rows),
+            "entropy_all_change_first_order": sum(r["entropy_all_change_first_order"] for r in rows),
         }
     return summary
 
@@ -206,12 +217,20 @@ def run(config: SimulateConfig) -> Path:
 
 
 def format_summary(summary: dict[str, dict[str, float]], target: float) -> str:
-    header = f"{'run':<22} {'final H':>8} {'H range':>15} {'reward':>7} {'W* median':>10} {'proxy prec':>10}"
-    lines = [f"final window = last 20% of steps; H_tgt = {target:g}", header]
+    header = (
+        f"{'run':<22} {'final H':>8} {'H range':>15} {'reward':>7} {'W* median':>10} {'proxy prec':>10} "
+        f"{'dH all':>8} {'1st-order':>9}"
+    )
+    lines = [
+        f"final window = last 20% of steps; H_tgt = {target:g}; "
+        "dH all = total change of the mean entropy over all positions, 1st-order = its first-order prediction",
+        header,
+    ]
     for name, s in summary.items():
         span = f"[{s['final_entropy_min']:.3f}, {s['final_entropy_max']:.3f}]"
         lines.append(
             f"{name:<22} {s['final_entropy']:>8.3f} {span:>15} {s['final_reward']:>7.3f} "
-            f"{s['critical_weight_median']:>10.3f} {s['proxy_precision_mean']:>10.3f}"
+            f"{s['critical_weight_median']:>10.3f} {s['proxy_precision_mean']:>10.3f} "
+            f"{s['entropy_all_change']:>8.3f} {s['entropy_all_change_first_order']:>9.3f}"
         )
     return "\n".join(lines)
