@@ -129,11 +129,11 @@ def _broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
 
 
 def _masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of x over mask (NaN where the mask is empty)."""
-    maskf = mask.float()
+    """Mean of x over mask (NaN where the mask is empty). `where`, not a product: padding may hold NaN."""
+    kept = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
     if dim is None:
-        return (x * maskf).sum() / maskf.sum()
-    return (x * maskf).sum(dim) / maskf.sum(dim)
+        return kept.sum() / mask.sum()
+    return kept.sum(dim) / mask.sum(dim)
 
 
 def token_weights(

@@ -316,3 +316,15 @@ def test_group_advantages_against_loop():
     assert torch.equal(adv[4:8], torch.zeros(4))
     with pytest.raises(ValueError, match="multiple of group_size"):
         group_advantages(rewards, 5)
+
+
+def test_nan_outside_the_mask_does_not_leak():
+    s, a, mask, h = random_batch(7)
+    clean, clean_metrics = token_weights(s, a, mask, h, op="C2", gate="sample")
+    s_dirty, h_dirty = s.clone(), h.clone()
+    s_dirty[mask == 0] = float("nan")
+    h_dirty[mask == 0] = float("nan")
+    dirty, dirty_metrics = token_weights(s_dirty, a, mask, h_dirty, op="C2", gate="sample")
+    assert torch.equal(clean, dirty)
+    for key, value in clean_metrics.items():
+        assert torch.equal(value, dirty_metrics[key]), key
