@@ -278,8 +278,13 @@ class StareController:
         self, surprisal: Tensor, advantages: Tensor, action_mask: Tensor, entropy: Tensor
     ) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.config
-        if not cfg.enabled:
-            return torch.ones(surprisal.shape, dtype=torch.float32, device=surprisal.device), {}
+        if not cfg.enabled:  # plain GRPO: weights 1, but the same entropy metrics for comparison
+            mask = action_mask.bool()
+            metrics = {
+                "stare/entropy_mean": _masked_mean(entropy.float(), mask),
+                "stare/surprisal_mean": _masked_mean(surprisal.float(), mask),
+            }
+            return torch.ones(surprisal.shape, dtype=torch.float32, device=surprisal.device), metrics
         if cfg.schedule == "adaptive":
             # One host sync per step (not per micro-batch): the schedule is plain Python state.
             h_bar = float(_masked_mean(entropy.float(), action_mask.bool()))

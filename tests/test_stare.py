@@ -200,8 +200,10 @@ def test_signature_defaults_are_the_config_defaults():
 
 def test_disabled_controller_gives_exact_ones():
     s, a, mask, h = random_batch(5)
-    weights, metrics = StareController(StareConfig(enabled=False, w=4.0))(s, a, mask, h)
-    assert torch.equal(weights, torch.ones_like(s)) and metrics == {}
+    weights, metrics = StareController(StareConfig(enabled=False, w=4.0, gate="off"))(s, a, mask, h)
+    assert torch.equal(weights, torch.ones_like(s))
+    assert set(metrics) == {"stare/entropy_mean", "stare/surprisal_mean"}
+    assert float(metrics["stare/entropy_mean"]) == pytest.approx(float(h[mask.bool()].mean()))
 
 
 def test_adaptive_schedule_moves_and_clips():
