@@ -74,22 +74,63 @@ def quadrant_multipliers(op: Op | Mapping[str, float], w: float, m: float) -> di
 
 
 def _take_k(values: Tensor, member: Tensor, k: int, largest: bool) -> Tensor:
-    """(B, T) bool: exactly k members with the largest (or smallest) values.
+    """(n,) bool: exactly k members with the largest (or smallest) values.
 
-    Ties at the threshold value go to the lowest row-major flat index, so the result is
-    deterministic and has exactly k tokens whatever the data.
+    values, member: (n,), in row-major flat order of the batch. Ties at the threshold value go to
+    the lowest position, so the result is deterministic and has exactly k tokens whatever the data.
     """
     if k == 0:
         return torch.zeros_like(member)
     candidates = values[member]
-    n = candidates.numel()
     # kthvalue is a selection (no sort) and accepts any size, unlike torch.quantile (DESIGN section 3).
-    threshold = torch.kthvalue(candidates, n - k + 1 if largest else k).values
+    threshold = torch.kthvalue(candidates, candidates.numel() - k + 1 if largest else k).values
     beyond = member & ((values > threshold) if largest else (values < threshold))
     at = member & (values == threshold)
-    still_needed = k - beyond.sum()
-    first_ties = at & (torch.cumsum(at.flatten(), 0).view_as(at) <= still_needed)
-    return beyond | first_ties
+    still_needed = k - beyond.count_nonzero()
+    return beyond | (at & (torch.cumsum(at, 0, dtype=torch.int32) <= still_needed))
+
+
+class _ActionTokens:
+    """The batch's action tokens packed into 1-D tensors, in row-major flat order.
+
+    Everything STARE computes is over action tokens only; packing them once saves a pass over the
+    padding (often half of a (B, T) batch) in every later operation.
+    """
+
+    def __init__(self, surprisal: Tensor, advantages: Tensor, action_mask: Tensor):
+        if surprisal.dim() != 2 or action_mask.shape != surprisal.shape:
+            raise ValueError(
+                "surprisal and action_mask must have shape (B, T); got "
+                f"{tuple(surprisal.shape)}, {tuple(action_mask.shape)}"
+            )
+        self.shape = surprisal.shape
+        self.index = action_mask.reshape(-1).nonzero().squeeze(1)  # (n,) flat positions, ascending
+        self.row = torch.div(self.index, self.shape[1], rounding_mode="floor")
+        self.surprisal = surprisal.reshape(-1)[self.index].float()
+        if advantages.dim() == 1 and advantages.shape[0] == self.shape[0]:
+            self.advantages = advantages[self.row]
+        elif advantages.shape == self.shape:
+            self.advantages = advantages.reshape(-1)[self.index]
+        else:
+            raise ValueError(
+                f"advantages must have shape (B,) or (B, T) = {tuple(self.shape)}; got {tuple(advantages.shape)}"
+            )
+
+    def select(self, top_ratio: float, quadrants: tuple[Quadrant, ...]) -> dict[Quadrant, Tensor]:
+        """{quadrant: (n,) bool} for the requested quadrants."""
+        if not 0.0 < top_ratio <= 1.0:
+            raise ValueError(f"top_ratio must be in (0, 1]; got {top_ratio}")
+        members = {"+": self.advantages > 0, "-": self.advantages < 0}
+        signs = sorted({q[-1] for q in quadrants})
+        # One host sync for both counts: k must be a Python int for kthvalue.
+        counts = torch.stack([members[sign].count_nonzero() for sign in signs]).tolist() if signs else []
+        k = {sign: ceil_count(top_ratio, n) for sign, n in zip(signs, counts, strict=True)}
+        return {q: _take_k(self.surprisal, members[q[-1]], k[q[-1]], largest=q.startswith("high")) for q in quadrants}
+
+    def unpack(self, packed: Tensor, fill: float | bool) -> Tensor:
+        """(n,) -> (B, T), with `fill` outside the action mask."""
+        out = torch.full((self.shape.numel(),), fill, dtype=packed.dtype, device=packed.device)
+        return out.index_copy_(0, self.index, packed).view(self.shape)
 
 
 def select_quadrants(
@@ -105,35 +146,13 @@ def select_quadrants(
     Returns {quadrant: (B, T) bool}, each with exactly ceil(top_ratio * |T±|) tokens. Tokens with a
     zero advantage are never selected. With top_ratio > 0.5 a high and a low set can share tokens.
     """
-    if not 0.0 < top_ratio <= 1.0:
-        raise ValueError(f"top_ratio must be in (0, 1]; got {top_ratio}")
-    mask = action_mask.bool()
-    adv = _broadcast_advantages(advantages, surprisal)
-    members = {"+": mask & (adv > 0), "-": mask & (adv < 0)}
-    signs = sorted({q[-1] for q in quadrants})
-    # One host sync for both counts: k must be a Python int for kthvalue.
-    counts = dict(zip(signs, torch.stack([members[s].sum() for s in signs]).tolist(), strict=True)) if signs else {}
-    values = surprisal.float()
-    return {
-        q: _take_k(values, members[q[-1]], ceil_count(top_ratio, counts[q[-1]]), largest=q.startswith("high"))
-        for q in quadrants
-    }
+    tokens = _ActionTokens(surprisal, advantages, action_mask)
+    return {q: tokens.unpack(sel, False) for q, sel in tokens.select(top_ratio, tuple(quadrants)).items()}
 
 
-def _broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
-    if advantages.dim() == 1 and advantages.shape[0] == like.shape[0]:
-        return advantages[:, None].expand_as(like)
-    if advantages.shape == like.shape:
-        return advantages
-    raise ValueError(f"advantages must have shape (B,) or (B, T) = {tuple(like.shape)}; got {tuple(advantages.shape)}")
-
-
-def _masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of x over mask (NaN where the mask is empty). `where`, not a product: padding may hold NaN."""
-    kept = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
-    if dim is None:
-        return kept.sum() / mask.sum()
-    return kept.sum(dim) / mask.sum(dim)
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / mask.sum()
 
 
 def token_weights(
@@ -159,49 +178,52 @@ def token_weights(
     quadrants -- and metric tensors under "stare/". A token in two selected quadrants (possible only
     with top_ratio > 0.5) gets the product of their multipliers.
     """
-    if surprisal.dim() != 2 or action_mask.shape != surprisal.shape or entropy.shape != surprisal.shape:
+    if entropy.shape != surprisal.shape:
         raise ValueError(
-            "surprisal, action_mask and entropy must all have shape (B, T); got "
-            f"{tuple(surprisal.shape)}, {tuple(action_mask.shape)}, {tuple(entropy.shape)}"
+            f"entropy must have the shape of surprisal {tuple(surprisal.shape)}; got {tuple(entropy.shape)}"
         )
     if gate not in GATES:
         raise ValueError(f"gate must be one of {', '.join(GATES)}; got {gate!r}")
     multipliers = quadrant_multipliers(op, w, m)
-    mask = action_mask.bool()
-    sets = select_quadrants(surprisal, advantages, mask, top_ratio, tuple(multipliers))
+    tokens = _ActionTokens(surprisal, advantages, action_mask)
+    sets = tokens.select(top_ratio, tuple(multipliers))
+    h = entropy.reshape(-1)[tokens.index].float()  # (n,)
+    h_bar = h.mean()  # NaN when nothing is an action token
 
-    h = entropy.float()
-    h_bar = _masked_mean(h, mask)
     # g in {0, 1}: 1 where the policy is below the target entropy and reweighting is on.
     if gate == "batch":
         g = (h_bar < target_entropy).float()
         gate_mean = g
     elif gate == "sample":
-        row_mean = _masked_mean(h, mask, dim=1)
-        g = (row_mean < target_entropy).float()[:, None]
-        gate_mean = _masked_mean(g.squeeze(1), mask.any(dim=1))
+        batch = tokens.shape[0]
+        per_row = torch.bincount(tokens.row, minlength=batch)
+        row_mean = torch.bincount(tokens.row, weights=h.double(), minlength=batch) / per_row
+        row_gate = (row_mean < target_entropy).float()
+        g = row_gate[tokens.row]
+        gate_mean = _masked_mean(row_gate, per_row > 0)
     elif gate == "token":
         g = (h < target_entropy).float()
-        gate_mean = _masked_mean(g, mask)
+        gate_mean = g.mean()
     else:
         g = torch.ones((), device=h.device)
         gate_mean = g
 
-    weights = torch.ones(surprisal.shape, dtype=torch.float32, device=surprisal.device)
+    packed = torch.ones_like(h)
     for quadrant, mult in multipliers.items():
-        weights = torch.where(sets[quadrant], weights * (1.0 + g * (mult - 1.0)), weights)
+        packed = torch.where(sets[quadrant], packed * (1.0 + g * (mult - 1.0)), packed)
+    weights = tokens.unpack(packed, 1.0)
 
-    n_action = mask.sum().clamp_min(1)
+    n_action = max(h.numel(), 1)
     metrics = {
         "stare/gate": gate_mean,
         "stare/entropy_mean": h_bar,
-        "stare/surprisal_mean": _masked_mean(surprisal.float(), mask),
-        "stare/weight_mean": _masked_mean(weights, mask),
+        "stare/surprisal_mean": tokens.surprisal.mean(),
+        "stare/weight_mean": packed.mean(),
         "stare/w": torch.tensor(float(w)),
         "stare/m": torch.tensor(float(m)),
     }
     for quadrant, selected in sets.items():
-        metrics[f"stare/frac_{QUADRANT_METRIC[quadrant]}"] = selected.sum() / n_action
+        metrics[f"stare/frac_{QUADRANT_METRIC[quadrant]}"] = selected.count_nonzero() / n_action
     return weights, metrics
 
 
