@@ -22,7 +22,6 @@ NOT_BUILT = {
     "quickstart": "the end-to-end CPU quickstart (tiny model, SFT, RL, eval)",
     "plot": "redraw a run's plots from its metrics",
     "data": "SFT transcript generation and data tools",
-    "sandbox": "the Python execution sandbox service",
 }
 
 # Commands that take a config: name -> root config class.
@@ -44,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved config of a command as YAML")
     show.add_argument("for_command", choices=sorted(CONFIGS), metavar="COMMAND", help=", ".join(sorted(CONFIGS)))
     _add_config_args(show)
+
+    sub.add_parser("sandbox", help="the Python execution sandbox service (`stare-agent sandbox serve --help`)")
 
     for name, what in NOT_BUILT.items():
         sub.add_parser(name, help=f"{what} (not available yet)")
@@ -68,6 +69,10 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {"simulate": _simulat
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sandbox":  # the service parses its own options (python -m sandbox ...)
+        from sandbox.__main__ import main as sandbox_main
+
+        return sandbox_main(argv[1:])
     if argv and argv[0] in NOT_BUILT:
         print(f"stare-agent {argv[0]}: not available yet in this version ({NOT_BUILT[argv[0]]}).", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_command():
     out = run_cli("--help")
     assert out.returncode == 0
-    for name in ["simulate", "config", *NOT_BUILT]:
+    for name in ["simulate", "config", "sandbox", *NOT_BUILT]:
         assert name in out.stdout
 
 
@@ -69,3 +69,8 @@ def test_simulate_small_run_writes_everything(tmp_path):
     assert len(rows) == 3 * 6
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["toy"]["steps"] == 6
     assert set(json.loads((run_dir / "summary.json").read_text())) == {r["run"] for r in rows}
+
+
+def test_sandbox_subcommand_is_the_service_cli():
+    out = run_cli("sandbox", "serve", "--help")
+    assert out.returncode == 0 and "--token" in out.stdout and "--require-isolation" in out.stdout

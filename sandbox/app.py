@@ -1,0 +1,232 @@
+"""The HTTP service: FastAPI routes over the kernel pool and the session store.
+
+Admission control keeps the service responsive under load: at most `max_running` calls run at
+once, at most `max_waiting` more wait; beyond that a call gets 429 with Retry-After at once instead
+of hanging. With a token configured, every route but /healthz needs `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from sandbox.kernels import KernelPool, PoolSettings, SandboxError, SessionStore, run_stateless
+from sandbox.schemas import ExecuteRequest, RunResult, SessionCreated
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The service: address, access, admission and session policy, and the kernel pool."""
+
+    host: str = "127.0.0.1"
+    """Address to bind. Any address other than loopback requires a token."""
+    port: int = 8765
+    token: str = ""
+    """Access token clients send as `Authorization: Bearer ...`; empty = no check (loopback only)."""
+    max_code_chars: int = 100_000
+    """Longer code is refused with 413."""
+    max_sessions: int = 256
+    """Open stateful sessions at once; beyond it, creating one gets 503."""
+    session_idle_s: float = 600.0
+    """A session unused this long is closed; its id then gets 404."""
+    max_running: int = 8
+    """Calls executing at once (stateful and stateless together)."""
+    max_waiting: int = 64
+    """Calls waiting for a slot; beyond it a call gets 429 with Retry-After."""
+    require_isolation: bool = False
+    """Refuse to start unless namespaces isolation (no network, read-only root, own uid) works."""
+    pool: PoolSettings = field(default_factory=PoolSettings)
+
+    def __post_init__(self) -> None:
+        if self.host not in LOOPBACK and not self.token:
+            raise ValueError(
+                f"binding {self.host!r} (not loopback) needs an access token: pass --token or set SANDBOX_TOKEN"
+            )
+        if self.max_running < 1 or self.max_waiting < 0 or self.max_sessions < 0:
+            raise ValueError("max_running must be >= 1, max_waiting and max_sessions >= 0")
+
+
+class Overloaded(Exception):
+    pass
+
+
+class Admission:
+    """A bounded queue in front of the kernels: run, wait, or be refused at once."""
+
+    def __init__(self, max_running: int, max_waiting: int):
+        self.max_waiting = max_waiting
+        self._slots = asyncio.Semaphore(max_running)
+        self.running = 0
+        self.waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        if self._slots.locked() and self.waiting >= self.max_waiting:
+            raise Overloaded
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.runs = Counter("sandbox_runs", "Code runs by kind and status", ["kind", "status"], registry=self.registry)
+        self.duration = Histogram(
+            "sandbox_run_seconds", "Run time of a call, queueing excluded", ["kind"], registry=self.registry
+        )
+        self.rejected = Counter("sandbox_rejected", "Calls refused because of overload", registry=self.registry)
+        self.gauges = {
+            name: Gauge(f"sandbox_{name}", help_text, registry=self.registry)
+            for name, help_text in {
+                "sessions": "Open stateful sessions",
+                "pool_ready": "Warm kernels ready",
+                "kernels_alive": "Kernel processes alive",
+                "running": "Calls running",
+                "waiting": "Calls waiting for a slot",
+            }.items()
+        }
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    pool = KernelPool(settings.pool)
+    sessions = SessionStore(pool, settings.max_sessions, settings.session_idle_s)
+    admission = Admission(settings.max_running, settings.max_waiting)
+    metrics = Metrics()
+
+    async def expire_loop() -> None:
+        while True:
+            await asyncio.sleep(min(30.0, settings.session_idle_s / 4))
+            await sessions.expire()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
+        if settings.require_isolation and pool.isolation.mode != "namespaces":
+            await pool.close()
+            raise RuntimeError(f"--require-isolation: only {pool.isolation.mode} isolation is available here")
+        expiry = asyncio.create_task(expire_loop())
+        try:
+            yield
+        finally:
+            expiry.cancel()
+            await sessions.close_all()
+            await pool.close()
+
+    app = FastAPI(title="stare-agent sandbox", version="1", lifespan=lifespan)
+    app.state.pool, app.state.sessions, app.state.admission = pool, sessions, admission
+
+    @app.middleware("http")
+    async def check_token(request: Request, call_next):  # noqa: ANN202 - FastAPI middleware signature
+        if settings.token and request.url.path != "/healthz":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
+                return JSONResponse({"detail": "missing or wrong access token"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        metrics.rejected.inc()
+        return JSONResponse(
+            {"detail": f"overloaded: {admission.running} running, {admission.waiting} waiting; retry later"},
+            status_code=429,
+            headers={"Retry-After": "1"},
+        )
+
+    def timeout_of(body: ExecuteRequest) -> float:
+        if len(body.code) > settings.max_code_chars:
+            raise HTTPException(413, f"code has {len(body.code)} characters; the limit is {settings.max_code_chars}")
+        return min(body.timeout_s or settings.pool.default_timeout_s, settings.pool.max_timeout_s)
+
+    async def run(kind: str, call) -> RunResult:  # noqa: ANN001 - a coroutine factory
+        async with admission.slot():
+            started = time.perf_counter()
+            try:
+                result = await call()
+            except SandboxError as exc:
+                result = RunResult(
+                    status="sandbox_error",
+                    error={"name": "SandboxError", "message": str(exc)},
+                    duration_ms=(time.perf_counter() - started) * 1000,
+                )
+        metrics.runs.labels(kind, result.status).inc()
+        metrics.duration.labels(kind).observe(result.duration_ms / 1000)
+        return result
+
+    def unknown(session_id: str) -> HTTPException:
+        return HTTPException(404, f"no session {session_id!r}: it was closed, expired, or never existed")
+
+    @app.post("/v1/sessions", status_code=201, response_model=SessionCreated)
+    async def create_session() -> SessionCreated:
+        async with admission.slot():
+            try:
+                return SessionCreated(session_id=await sessions.create())
+            except SandboxError as exc:
+                raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
+
+    @app.post("/v1/sessions/{session_id}/execute", response_model=RunResult)
+    async def execute_in_session(session_id: str, body: ExecuteRequest) -> RunResult:
+        timeout_s = timeout_of(body)
+        if not sessions.exists(session_id):
+            raise unknown(session_id)
+        try:
+            return await run("session", lambda: sessions.execute(session_id, body.code, timeout_s))
+        except KeyError:  # closed or expired while waiting for a slot
+            raise unknown(session_id) from None
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204)
+    async def close_session(session_id: str) -> Response:
+        if not await sessions.close(session_id):
+            raise unknown(session_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/execute", response_model=RunResult)
+    async def execute_stateless(body: ExecuteRequest) -> RunResult:
+        timeout_s = timeout_of(body)
+        return await run("stateless", lambda: run_stateless(pool, body.code, timeout_s))
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {
+            "status": "ok",
+            "isolation": pool.isolation.as_dict() if pool.isolation else None,
+            "sessions": len(sessions),
+            "pool_ready": pool.ready_count,
+            "kernels_alive": pool.alive_count,
+            "running": admission.running,
+            "waiting": admission.waiting,
+            "kernel_start_failures": pool.start_failures,
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        values = {
+            "sessions": len(sessions),
+            "pool_ready": pool.ready_count,
+            "kernels_alive": pool.alive_count,
+            "running": admission.running,
+            "waiting": admission.waiting,
+        }
+        for name, value in values.items():
+            metrics.gauges[name].set(value)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,458 @@
+"""Jupyter kernels for model-written code: a warm pool, stateful sessions and stateless runs.
+
+Every kernel runs in its own scratch directory, under the isolation of `sandbox.isolation`, with
+numpy and sympy imported before it is handed out. A stateful session keeps one kernel (variables
+persist across calls). A stateless run takes a pooled kernel, runs the code, then wipes the
+kernel's namespace and scratch directory (`%reset`) before the kernel serves another run; a kernel
+is replaced after `stateless_reuse` runs or after anything unusual (timeout, death). Reset clears the
+user namespace, not the interpreter: modules stay imported, so a run that patches a module can
+affect later runs on the same kernel until it is replaced. Set `stateless_reuse = 0` for a fresh
+process every run (slower: one kernel start per call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpecManager
+
+from sandbox.isolation import (
+    UID_BASE,
+    Isolation,
+    IsolationMode,
+    Limits,
+    detect_isolation,
+    kernel_argv,
+    kernel_env,
+    make_scratch,
+    remove_scratch,
+)
+from sandbox.schemas import ErrorInfo, RunResult
+
+log = logging.getLogger("sandbox")
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Runs after a stateless call: forget the user's names, empty the scratch dir, restore imports and cwd.
+RESET_CODE = """\
+get_ipython().run_line_magic("reset", "-f")
+
+
+def _wipe_scratch():
+    import os
+    import shutil
+
+    os.chdir(os.environ["HOME"])
+    for name in os.listdir("."):
+        if name.startswith(("ipc-", "kernel.json", ".ipython")):
+            continue
+        if os.path.isdir(name) and not os.path.islink(name):
+            shutil.rmtree(name, ignore_errors=True)
+        else:
+            os.remove(name)
+
+
+_wipe_scratch()
+del _wipe_scratch
+"""
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How kernels are started, limited and reused."""
+
+    pool_size: int = 4
+    """Warm kernels kept ready (numpy and sympy imported)."""
+    max_kernels: int = 64
+    """Kernels alive at once: sessions plus the pool. Also the number of distinct kernel uids."""
+    isolation: IsolationMode = "auto"
+    """auto: namespaces where they work, else process isolation; namespaces: require them."""
+    limits: Limits = field(default_factory=Limits)
+    """Per-kernel resource limits."""
+    default_timeout_s: float = 10.0
+    """Wall-clock limit of a call that names none."""
+    max_timeout_s: float = 120.0
+    """Upper bound on a call's timeout_s."""
+    interrupt_grace_s: float = 2.0
+    """After a timeout, how long an interrupted kernel may take to stop before it is killed and replaced."""
+    output_limit_chars: int = 20_000
+    """stdout and stderr are each cut to this many characters (head + marker + tail)."""
+    startup_timeout_s: float = 60.0
+    """A kernel that is not ready within this is a sandbox_error."""
+    stateless_reuse: int = 50
+    """Stateless runs one kernel serves (with a reset between them) before it is replaced; 0 = fresh every run."""
+    scratch_root: str = ""
+    """Where scratch directories are made; empty = a new folder in the system temp dir."""
+    warmup_code: str = "import math\nimport numpy as np\nimport sympy as sp\n"
+    """Run in every new kernel before it is handed out."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pool_size <= self.max_kernels:
+            raise ValueError(f"pool_size must be in [0, max_kernels={self.max_kernels}]; got {self.pool_size}")
+        if not 0 < self.default_timeout_s <= self.max_timeout_s:
+            raise ValueError(
+                f"default_timeout_s must be in (0, max_timeout_s={self.max_timeout_s}]; got {self.default_timeout_s}"
+            )
+        if self.output_limit_chars < 100:
+            raise ValueError(f"output_limit_chars must be >= 100; got {self.output_limit_chars}")
+        if self.stateless_reuse < 0 or self.interrupt_grace_s <= 0 or self.startup_timeout_s <= 0:
+            raise ValueError("stateless_reuse must be >= 0, interrupt_grace_s and startup_timeout_s > 0")
+
+
+class SandboxError(RuntimeError):
+    """The service could not run the code (as opposed to the code failing)."""
+
+
+class _Capture:
+    """Keeps the first and last `limit // 2` characters of a stream, so huge output costs bounded memory."""
+
+    def __init__(self, limit: int):
+        self.half = limit // 2
+        self.head: list[str] = []
+        self.head_len = 0
+        self.tail = ""
+        self.total = 0
+
+    def add(self, text: str) -> None:
+        self.total += len(text)
+        if self.head_len < self.half:
+            take = text[: self.half - self.head_len]
+            self.head.append(take)
+            self.head_len += len(take)
+            text = text[len(take) :]
+        if text:
+            self.tail = (self.tail + text)[-self.half :]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > 2 * self.half
+
+    def text(self) -> str:
+        head = "".join(self.head)
+        if not self.truncated:
+            return head + self.tail[: self.total - self.head_len]
+        cut = self.total - len(head) - len(self.tail)
+        return f"{head}\n... [{cut} characters cut] ...\n{self.tail}"
+
+
+class _SandboxKernelManager(AsyncKernelManager):
+    """Starts the kernel with this kernel's own argv (its uid differs per kernel) instead of the spec's."""
+
+    sandbox_argv: list[str] = []
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        return [arg.replace("{connection_file}", self.connection_file) for arg in self.sandbox_argv]
+
+
+class Kernel:
+    """One kernel process, its client and its scratch directory."""
+
+    def __init__(self, manager: AsyncKernelManager, scratch: Path, slot: int):
+        self.manager = manager
+        self.client = manager.client()
+        self.scratch = scratch
+        self.slot = slot
+        self.runs = 0  # stateless runs served, resets and warm-up not counted
+        self.dead = False
+
+    async def execute(self, code: str, timeout_s: float, settings: PoolSettings) -> RunResult:
+        """Run `code`; never raises for anything the code does."""
+        started = time.perf_counter()
+        stdout, stderr = _Capture(settings.output_limit_chars), _Capture(settings.output_limit_chars)
+        msg_id = self.client.execute(code, silent=False, store_history=False, allow_stdin=False)
+        error: ErrorInfo | None = None
+        status = "ok"
+        deadline = time.monotonic() + timeout_s
+        interrupted_at: float | None = None
+        while True:
+            now = time.monotonic()
+            if interrupted_at is None and now >= deadline:
+                interrupted_at = now
+                await self._interrupt()
+            if interrupted_at is not None and now >= interrupted_at + settings.interrupt_grace_s:
+                self.dead = True  # stuck (e.g. in C code): the caller replaces the kernel
+                status, error = (
+                    "timeout",
+                    ErrorInfo(
+                        name="Timeout",
+                        message=f"no result within {timeout_s:g}s; the kernel did not stop when interrupted and was "
+                        "restarted, so all variables are lost",
+                    ),
+                )
+                break
+            try:
+                msg = await self.client.get_iopub_msg(timeout=0.1)
+            except queue.Empty:
+                if not await self.manager.is_alive():
+                    self.dead = True
+                    status, error = (
+                        "sandbox_error",
+                        ErrorInfo(
+                            name="KernelDied",
+                            message="the kernel process exited while running this code (e.g. a crash or os._exit); "
+                            "all variables are lost and the next call runs on a fresh kernel",
+                        ),
+                    )
+                    break
+                continue
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                (stdout if content.get("name") == "stdout" else stderr).add(content.get("text", ""))
+            elif kind in ("execute_result", "display_data"):
+                text = content.get("data", {}).get("text/plain")
+                if text is not None and kind == "execute_result":
+                    stdout.add(text + "\n")
+            elif kind == "error":
+                name = content.get("ename", "Error")
+                traceback = ANSI.sub("", "\n".join(content.get("traceback", [])))
+                error = ErrorInfo(name=name, message=content.get("evalue", ""), traceback=traceback)
+                if interrupted_at is not None and name == "KeyboardInterrupt":
+                    status = "timeout"
+                    error = ErrorInfo(
+                        name="Timeout",
+                        message=f"no result within {timeout_s:g}s; interrupted (variables are kept)",
+                        traceback=traceback,
+                    )
+                elif "MemoryError" in name:
+                    status = "memory"
+                else:
+                    status = "error"
+            elif kind == "status" and content.get("execution_state") == "idle":
+                break
+        return RunResult(
+            status=status,
+            stdout=stdout.text(),
+            stderr=stderr.text(),
+            error=error,
+            truncated=stdout.truncated or stderr.truncated,
+            duration_ms=(time.perf_counter() - started) * 1000,
+        )
+
+    async def _interrupt(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.manager.interrupt_kernel()
+
+    async def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.stop_channels()
+        with contextlib.suppress(Exception):
+            await self.manager.shutdown_kernel(now=True)
+        remove_scratch(self.scratch)
+
+
+class KernelPool:
+    """Starts kernels ahead of demand and hands them out; knows nothing about HTTP."""
+
+    def __init__(self, settings: PoolSettings):
+        self.settings = settings
+        self.isolation: Isolation | None = None
+        self._ready: asyncio.Queue[Kernel] = asyncio.Queue()
+        self._free_slots = list(range(settings.max_kernels))
+        self._slot_freed = asyncio.Condition()
+        self._background: set[asyncio.Task] = set()
+        self._refilling = False
+        self._closed = False
+        self._owns_root = not settings.scratch_root
+        self._root = Path(settings.scratch_root or tempfile.mkdtemp(prefix="sandbox-"))
+        self._specs: KernelSpecManager | None = None
+        self.kernels_started = 0
+        self.start_failures = 0
+
+    async def start(self) -> None:
+        self.isolation = await asyncio.to_thread(detect_isolation, self.settings.isolation)
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._root.chmod(0o711)  # kernels running as other uids must reach their own scratch dirs
+        spec_dir = self._root / "kernelspec" / "sandbox"
+        spec_dir.mkdir(parents=True, exist_ok=True)
+        # The spec names the kernel for jupyter_client; each kernel's real argv (its own uid) is set per kernel.
+        spec = {
+            "argv": kernel_argv(self.isolation, self.settings.limits, UID_BASE),
+            "display_name": "sandbox",
+            "language": "python",
+            "interrupt_mode": "signal",
+        }
+        (spec_dir / "kernel.json").write_text(json.dumps(spec))
+        self._specs = KernelSpecManager(kernel_dirs=[str(spec_dir.parent)])
+        self._refill()
+
+    @property
+    def ready_count(self) -> int:
+        return self._ready.qsize()
+
+    @property
+    def alive_count(self) -> int:
+        return self.settings.max_kernels - len(self._free_slots)
+
+    async def acquire(self) -> Kernel:
+        """A warm kernel: from the pool if one is ready, else started now."""
+        self._refill()
+        try:
+            kernel = self._ready.get_nowait()
+        except asyncio.QueueEmpty:
+            kernel = await self._start_kernel()
+        self._refill()
+        return kernel
+
+    async def give_back(self, kernel: Kernel) -> None:
+        """After a stateless run: reset and pool the kernel, or replace it."""
+        reusable = not kernel.dead and kernel.runs < self.settings.stateless_reuse and not self._closed
+        if reusable:
+            reset = await kernel.execute(RESET_CODE + self.settings.warmup_code, 30.0, self.settings)
+            reusable = reset.status == "ok" and not kernel.dead
+        if reusable:
+            await self._ready.put(kernel)
+        else:
+            await self.discard(kernel)
+
+    async def discard(self, kernel: Kernel) -> None:
+        await kernel.shutdown()
+        async with self._slot_freed:
+            self._free_slots.append(kernel.slot)
+            self._slot_freed.notify()
+        self._refill()
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        while not self._ready.empty():
+            await self._ready.get_nowait().shutdown()
+        if self._owns_root:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    def _refill(self) -> None:
+        if self._closed or self._refilling or self._ready.qsize() >= self.settings.pool_size:
+            return
+        self._refilling = True
+        task = asyncio.get_running_loop().create_task(self._refill_loop())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _refill_loop(self) -> None:
+        try:
+            while not self._closed and self._ready.qsize() < self.settings.pool_size and self._free_slots:
+                try:
+                    kernel = await self._start_kernel()
+                except SandboxError as exc:
+                    log.warning("could not start a pool kernel: %s", exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                await self._ready.put(kernel)
+        finally:
+            self._refilling = False
+
+    async def _start_kernel(self) -> Kernel:
+        assert self._specs is not None and self.isolation is not None, "KernelPool.start() was not awaited"
+        async with self._slot_freed:
+            if not self._free_slots:
+                raise SandboxError(f"all {self.settings.max_kernels} kernels are in use")
+            slot = self._free_slots.pop(0)
+        uid = UID_BASE + slot if self.isolation.unprivileged_user else None
+        scratch = make_scratch(self._root, uid)
+        manager = _SandboxKernelManager(kernel_name="sandbox", kernel_spec_manager=self._specs)
+        manager.sandbox_argv = kernel_argv(self.isolation, self.settings.limits, uid)
+        manager.transport = "ipc"
+        manager.ip = str(scratch / "ipc")
+        manager.connection_file = str(scratch / "kernel.json")
+        kernel = Kernel(manager, scratch, slot)
+        try:
+            await asyncio.wait_for(manager.start_kernel(env=kernel_env(scratch)), self.settings.startup_timeout_s)
+            kernel.client = manager.client()
+            kernel.client.start_channels()
+            await kernel.client.wait_for_ready(timeout=self.settings.startup_timeout_s)
+            warm = await kernel.execute(self.settings.warmup_code, self.settings.startup_timeout_s, self.settings)
+            if warm.status != "ok":
+                raise SandboxError(f"warm-up failed: {warm.error.message if warm.error else warm.status}")
+        except BaseException as exc:  # including cancellation at shutdown: never leave a process behind
+            self.start_failures += not isinstance(exc, asyncio.CancelledError)
+            await asyncio.shield(kernel.shutdown())
+            async with self._slot_freed:
+                self._free_slots.append(slot)
+            if isinstance(exc, (SandboxError, asyncio.CancelledError)) or not isinstance(exc, Exception):
+                raise
+            raise SandboxError(f"kernel did not start: {type(exc).__name__}: {exc}") from exc
+        self.kernels_started += 1
+        return kernel
+
+
+@dataclass
+class Session:
+    kernel: Kernel
+    last_used: float
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class SessionStore:
+    """Stateful sessions: one kernel each, closed on request, on expiry and at shutdown."""
+
+    def __init__(self, pool: KernelPool, max_sessions: int, idle_s: float):
+        self.pool = pool
+        self.max_sessions = max_sessions
+        self.idle_s = idle_s
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def create(self) -> str:
+        if len(self._sessions) >= self.max_sessions:
+            raise SandboxError(f"the session limit ({self.max_sessions}) is reached")
+        kernel = await self.pool.acquire()
+        session_id = uuid.uuid4().hex
+        self._sessions[session_id] = Session(kernel, time.monotonic())
+        return session_id
+
+    def exists(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    async def execute(self, session_id: str, code: str, timeout_s: float) -> RunResult:
+        session = self._sessions[session_id]
+        async with session.lock:
+            session.last_used = time.monotonic()
+            result = await session.kernel.execute(code, timeout_s, self.pool.settings)
+            if session.kernel.dead:  # the next call runs on a fresh kernel
+                old, session.kernel = session.kernel, await self.pool.acquire()
+                await self.pool.discard(old)
+            session.last_used = time.monotonic()
+            return result
+
+    async def close(self, session_id: str) -> bool:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        async with session.lock:
+            await self.pool.discard(session.kernel)
+        return True
+
+    async def expire(self) -> int:
+        cutoff = time.monotonic() - self.idle_s
+        stale = [sid for sid, s in self._sessions.items() if s.last_used < cutoff and not s.lock.locked()]
+        for sid in stale:
+            await self.close(sid)
+        return len(stale)
+
+    async def close_all(self) -> None:
+        await asyncio.gather(*(self.close(sid) for sid in list(self._sessions)), return_exceptions=True)
+
+
+async def run_stateless(pool: KernelPool, code: str, timeout_s: float) -> RunResult:
+    kernel = await pool.acquire()
+    kernel.runs += 1
+    try:
+        return await kernel.execute(code, timeout_s, pool.settings)
+    finally:
+        await pool.give_back(kernel)

@@ -1,0 +1,314 @@
+"""The sandbox service end to end: a real server process on loopback, real kernels, the real client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandbox.client import AsyncSandboxClient, InProcessClient, SandboxClient, SandboxUnavailable, SessionNotFound
+from sandbox.kernels import PoolSettings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m sandbox serve` in a subprocess; stop() waits for it to exit."""
+
+    def __init__(self, *args: str, port: int | None = None, env: dict[str, str] | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--port", str(self.port), *args]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True) -> Server:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sandbox", "serve", *self.args],
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        if wait:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
+                try:
+                    if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            raise RuntimeError("server did not become healthy in 60 s")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("scratch")
+    config = root.parent / "sandbox.yaml"
+    config.write_text(f"pool:\n  scratch_root: {root}\n")
+    srv = Server(
+        "--config", str(config), "--pool-size", "2", "--default-timeout-s", "10", "--output-limit-chars", "2000"
+    ).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+    # Stopping the server leaves no kernel (nor anything user code started) and no scratch directory.
+    assert processes_mentioning(str(root)) == []
+    assert [p.name for p in root.iterdir() if p.name.startswith("kernel-")] == []
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[SandboxClient]:
+    with SandboxClient(server.url) as c:
+        yield c
+
+
+def test_health_reports_isolation(client: SandboxClient):
+    health = client.health()
+    assert health["status"] == "ok"
+    assert {"mode", "network", "rlimits", "scrubbed_env", "scratch_dir"} <= set(health["isolation"])
+
+
+def test_session_keeps_state_and_closes(client: SandboxClient):
+    sid = client.create_session()
+    assert client.execute("x = 41", sid).status == "ok"
+    result = client.execute("print(x + 1)\nx * 2", sid)
+    assert (result.status, result.stdout) == ("ok", "42\n82\n")
+    client.close_session(sid)
+    with pytest.raises(SessionNotFound):
+        client.execute("print(x)", sid)
+
+
+def test_stateless_runs_do_not_share_state(client: SandboxClient):
+    assert client.execute("y = 5; open('f.txt', 'w').write('hi')").status == "ok"
+    result = client.execute("print(y)")
+    assert result.status == "error" and result.error.name == "NameError"
+    gone = client.execute("import os; print(os.path.exists('f.txt'))")
+    assert gone.stdout == "False\n"
+    assert client.execute("print(np.arange(3).sum(), sp.Integer(2) ** 10)").stdout == "3 1024\n"
+
+
+def test_user_errors_are_reported_with_traceback(client: SandboxClient):
+    result = client.execute("def f():\n    return 1 / 0\nf()")
+    assert result.status == "error"
+    assert result.error.name == "ZeroDivisionError" and "division by zero" in result.error.message
+    assert "f()" in result.error.traceback and "\x1b[" not in result.error.traceback
+    assert client.execute("import sys; sys.exit(3)").status == "error"
+    stdin = client.execute("input('name? ')")
+    assert stdin.status == "error" and "StdinNotImplementedError" in stdin.error.name
+
+
+def test_stderr_and_output_cap(client: SandboxClient):
+    result = client.execute("import sys; print('a' * 100000); print('end'); _ = sys.stderr.write('warn')")
+    assert result.status == "ok" and result.truncated
+    assert len(result.stdout) < 2200 and result.stdout.startswith("aaa") and result.stdout.endswith("end\n")
+    assert "characters cut" in result.stdout and result.stderr == "warn"
+
+
+def test_timeout_interrupts_and_keeps_session(client: SandboxClient):
+    sid = client.create_session()
+    client.execute("kept = 7", sid)
+    result = client.execute("while True:\n    pass", sid, timeout_s=1)
+    assert result.status == "timeout" and 900 < result.duration_ms < 5000
+    assert client.execute("print(kept)", sid).stdout == "7\n"
+    client.close_session(sid)
+
+
+def test_stuck_kernel_is_replaced(client: SandboxClient):
+    sid = client.create_session()
+    client.execute("lost = 1", sid)
+    code = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass"
+    result = client.execute(code, sid, timeout_s=1)
+    assert result.status == "timeout" and "restarted" in result.error.message
+    after = client.execute("print(lost)", sid)
+    assert after.status == "error" and after.error.name == "NameError"  # fresh kernel
+    client.close_session(sid)
+
+
+def test_memory_limit(client: SandboxClient):
+    result = client.execute("x = bytearray(20 * 2**30)")
+    assert result.status == "memory"
+    assert client.execute("print('still here')").status == "ok"
+
+
+def test_user_started_processes_do_not_outlive_the_session(client: SandboxClient, server: Server):
+    sid = client.create_session()
+    started = client.execute("import subprocess\np = subprocess.Popen(['sleep', '1234'])\nprint(p.pid)", sid)
+    assert started.status == "ok"
+    assert processes_mentioning("sleep 1234")
+    client.close_session(sid)
+    deadline = time.monotonic() + 10
+    while processes_mentioning("sleep 1234") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_mentioning("sleep 1234") == []
+
+
+def test_kernel_death_is_a_sandbox_error_and_recovers(client: SandboxClient):
+    sid = client.create_session()
+    client.execute("v = 1", sid)
+    died = client.execute("import os; os._exit(1)", sid)
+    assert died.status == "sandbox_error" and died.error.name == "KernelDied"
+    after = client.execute("print('fresh')", sid)
+    assert after.status == "ok" and after.stdout == "fresh\n"
+    client.close_session(sid)
+
+
+def test_bad_requests_get_json_4xx(server: Server):
+    url = f"{server.url}/v1/execute"
+    for response in (
+        httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}),
+        httpx.post(url, json={}),
+        httpx.post(url, json={"code": "1", "extra": 1}),
+        httpx.post(url, json={"code": "1", "timeout_s": -1}),
+    ):
+        assert response.status_code == 422 and "detail" in response.json()
+    big = httpx.post(url, json={"code": "#" * 200_000})
+    assert big.status_code == 413 and "limit" in big.json()["detail"]
+    missing = httpx.post(f"{server.url}/v1/sessions/nope/execute", json={"code": "1"})
+    assert missing.status_code == 404 and "nope" in missing.json()["detail"]
+    assert httpx.delete(f"{server.url}/v1/sessions/nope").status_code == 404
+
+
+def test_metrics_endpoint(server: Server):
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "sandbox_runs_total" in text and "sandbox_pool_ready" in text
+
+
+def test_token_required_off_loopback_and_checked():
+    refused = subprocess.run(
+        [sys.executable, "-m", "sandbox", "serve", "--host", "0.0.0.0", "--port", str(free_port())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "SANDBOX_TOKEN"},
+    )
+    assert refused.returncode != 0 and "token" in refused.stderr
+    srv = Server("--pool-size", "1", env={"SANDBOX_TOKEN": "s3cret"}).start()
+    try:
+        assert httpx.post(f"{srv.url}/v1/execute", json={"code": "1"}).status_code == 401
+        with SandboxClient(srv.url, token="wrong", retries=0) as bad, pytest.raises(SandboxUnavailable, match="401"):
+            bad.execute("1")
+        with SandboxClient(srv.url, token="s3cret") as good:
+            assert good.execute("print(2)").stdout == "2\n"
+            leaked = good.execute("import os; print(os.environ.get('SANDBOX_TOKEN'))")
+            assert leaked.stdout == "None\n"
+    finally:
+        srv.stop()
+
+
+def test_overload_gets_429_with_retry_after():
+    srv = Server("--pool-size", "1", "--max-running", "1", "--max-waiting", "0").start()
+    try:
+
+        async def go() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
+                slow = http.post("/v1/execute", json={"code": "import time; time.sleep(2)"})
+                fast = http.post("/v1/execute", json={"code": "1"})
+                first = asyncio.ensure_future(slow)
+                await asyncio.sleep(0.5)
+                return [await fast, await first]
+
+        refused, done = asyncio.run(go())
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert done.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_client_retries_until_the_server_is_up():
+    srv = Server("--pool-size", "1")
+    started = []
+
+    def start_later() -> None:
+        time.sleep(1.5)
+        srv.start(wait=False)
+        started.append(True)
+
+    import threading
+
+    thread = threading.Thread(target=start_later)
+    thread.start()
+    try:
+        with SandboxClient(srv.url, retries=12, backoff_s=0.5) as c:
+            assert c.execute("print('up')").stdout == "up\n"
+        assert started
+    finally:
+        thread.join()
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_many_sessions_in_parallel(server: Server):
+    async def one(client: AsyncSandboxClient, i: int) -> list[str]:
+        sid = await client.create_session()
+        outs = []
+        for j in range(20):
+            result = await client.execute(f"acc = {i} * 100 + {j}\nprint(acc)", sid)
+            outs.append(result.stdout if result.status == "ok" else f"{result.status}: {result.error}")
+        await client.close_session(sid)
+        return outs
+
+    async def go() -> list[list[str]]:
+        async with AsyncSandboxClient(server.url, timeout_s=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(go())
+    for i, outs in enumerate(results):
+        assert outs == [f"{i * 100 + j}\n" for j in range(20)]
+
+
+def test_in_process_client_same_interface():
+    async def go() -> None:
+        async with InProcessClient(PoolSettings(pool_size=1, default_timeout_s=5)) as client:
+            sid = await client.create_session()
+            await client.execute("z = 3", sid)
+            assert (await client.execute("print(z * 2)", sid)).stdout == "6\n"
+            assert (await client.execute("print(z)")).error.name == "NameError"
+            await client.close_session(sid)
+            with pytest.raises(SessionNotFound):
+                await client.execute("1", sid)
+
+    asyncio.run(go())
