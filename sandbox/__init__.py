@@ -1,5 +1,6 @@
 """Python execution sandbox service for model-written code (DESIGN section 5).
 
-Deployable on its own: this package never imports stare_agent. The service itself is not in this
-version yet; `stare-agent sandbox` says so.
+Deployable on its own: this package never imports stare_agent. `python -m sandbox serve` runs the
+HTTP service (app.py) over a pool of Jupyter kernels (kernels.py) isolated as isolation.py states;
+client.py has the HTTP clients and an in-process client with the same interface.
 """

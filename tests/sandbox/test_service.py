@@ -185,6 +185,18 @@ def test_user_started_processes_do_not_outlive_the_session(client: SandboxClient
     assert processes_mentioning("sleep 1234") == []
 
 
+def test_disk_filler_hits_the_file_size_cap(client: SandboxClient):
+    code = "with open('big.bin', 'wb') as f:\n    f.write(b'0' * (200 * 2**20))"
+    result = client.execute(code)
+    assert result.status == "error" and "File too large" in (result.error.message + result.error.traceback)
+
+
+def test_segfault_is_a_kernel_death(client: SandboxClient):
+    result = client.execute("import ctypes\nctypes.string_at(0)")
+    assert result.status == "sandbox_error" and result.error.name == "KernelDied"
+    assert client.execute("print('next')").stdout == "next\n"
+
+
 def test_kernel_death_is_a_sandbox_error_and_recovers(client: SandboxClient):
     sid = client.create_session()
     client.execute("v = 1", sid)
@@ -235,6 +247,21 @@ def test_token_required_off_loopback_and_checked():
             assert good.execute("print(2)").stdout == "2\n"
             leaked = good.execute("import os; print(os.environ.get('SANDBOX_TOKEN'))")
             assert leaked.stdout == "None\n"
+    finally:
+        srv.stop()
+
+
+def test_idle_sessions_expire():
+    srv = Server("--pool-size", "1", "--session-idle-s", "1").start()
+    try:
+        with SandboxClient(srv.url) as c:
+            sid = c.create_session()
+            assert c.execute("a = 1", sid).status == "ok"
+            deadline = time.monotonic() + 10
+            while c.health()["sessions"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            with pytest.raises(SessionNotFound):
+                c.execute("print(a)", sid)
     finally:
         srv.stop()
 
