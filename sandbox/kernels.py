@@ -232,6 +232,7 @@ class Kernel:
                     status = "error"
             elif kind == "status" and content.get("execution_state") == "idle":
                 break
+        await self._drain_shell()
         return RunResult(
             status=status,
             stdout=stdout.text(),
@@ -240,6 +241,12 @@ class Kernel:
             truncated=stdout.truncated or stderr.truncated,
             duration_ms=(time.perf_counter() - started) * 1000,
         )
+
+    async def _drain_shell(self) -> None:
+        """Read the execute replies we do not need (iopub carries everything), so they do not pile up."""
+        with contextlib.suppress(Exception):
+            while True:
+                await self.client.get_shell_msg(timeout=0)
 
     async def _interrupt(self) -> None:
         with contextlib.suppress(Exception):
