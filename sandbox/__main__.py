@@ -19,6 +19,7 @@ import pydantic
 import yaml
 
 from sandbox.app import ServerSettings, create_app
+from sandbox.isolation import detect_isolation
 
 # flag -> (section path, key) in ServerSettings
 FLAGS = {
@@ -90,6 +91,13 @@ def load_settings(args: argparse.Namespace) -> ServerSettings:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = load_settings(args)
+    if settings.require_isolation:
+        if settings.pool.isolation == "process":
+            raise SystemExit("sandbox: --require-isolation contradicts --isolation process")
+        try:
+            detect_isolation("namespaces")
+        except RuntimeError as exc:
+            raise SystemExit(f"sandbox: --require-isolation: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -251,6 +252,35 @@ def test_token_required_off_loopback_and_checked():
         srv.stop()
 
 
+def test_require_isolation_refuses_without_it():
+    out = subprocess.run(
+        [sys.executable, "-m", "sandbox", "serve", "--port", str(free_port()), "--isolation", "process"]
+        + ["--require-isolation"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and "--require-isolation" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_server_restart_with_clients_retrying():
+    srv = Server("--pool-size", "1").start()
+    try:
+        with SandboxClient(srv.url, retries=20, backoff_s=0.25) as c:
+            sid = c.create_session()
+            assert c.execute("print(1)").stdout == "1\n"
+            srv.stop()
+            restart = threading.Timer(1.0, srv.start, kwargs={"wait": False})
+            restart.start()
+            assert c.execute("print(2)").stdout == "2\n"  # retried until the new server answered
+            restart.join()
+            with pytest.raises(SessionNotFound):  # sessions do not survive a restart, and say so
+                c.execute("print(3)", sid)
+    finally:
+        srv.stop()
+
+
 def test_idle_sessions_expire():
     srv = Server("--pool-size", "1", "--session-idle-s", "1").start()
     try:
@@ -293,8 +323,6 @@ def test_client_retries_until_the_server_is_up():
         time.sleep(1.5)
         srv.start(wait=False)
         started.append(True)
-
-    import threading
 
     thread = threading.Thread(target=start_later)
     thread.start()
