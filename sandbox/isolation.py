@@ -1,7 +1,8 @@
 """How a kernel is fenced off from the server and from other kernels (DESIGN section 5).
 
 A kernel is started by jupyter_client from a kernelspec whose argv comes from `kernel_argv`: it runs
-`python -m sandbox.launch`, which sets the fences up and then execs `ipykernel_launcher` in place.
+`python -m sandbox.launch` (inside `unshare` with namespaces), which sets the fences up and then
+starts `ipykernel_launcher`; see that module for the order of the steps.
 
 Always enforced ("process" mode and "namespaces" mode):
 - a separate process with rlimits: address space (RLIMIT_AS, so a big allocation raises MemoryError),
@@ -13,8 +14,9 @@ Always enforced ("process" mode and "namespaces" mode):
 Enforced only in "namespaces" mode (root and util-linux `unshare` needed; `detect_isolation` probes):
 - no network: own network namespace whose only interface, loopback, is down (kernels talk to the
   server over IPC sockets in the scratch dir, which need no network); own IPC namespace;
-- own PID namespace: the kernel cannot see or signal the server, other kernels or any host process,
-  and when the kernel dies every process it started dies with it;
+- own PID namespace: the kernel cannot see or signal the server, other kernels or any host process;
+  when the kernel dies or is killed, every process it started dies with it (also those that left its
+  process group), and orphans are reaped meanwhile;
 - read-only file system outside the scratch dir (own mount namespace; `/proc` is the namespace's own,
   `/dev/shm` a small private tmpfs);
 - a dedicated unprivileged uid per kernel (`UID_BASE + slot`, no passwd entry, no supplementary
@@ -29,9 +31,13 @@ Not isolated, in any mode:
 - CPU time: there is no CPU limit; the server's per-call wall timeout interrupts or restarts;
 - total memory: RLIMIT_AS caps each process, so a kernel with `processes` processes may use up to
   `processes * memory_mb` (no cgroup is used); the scratch dir has no size limit, only a per-file one;
-- the kernel shares the host kernel (a kernel exploit escapes all of this).
+- the kernel shares the host kernel (a kernel exploit escapes all of this);
+- a namespace kernel outlives a server that crashes (its `unshare` keeps running): a new server should
+  call `kill_uid_processes` for each slot's uid before using the slot.
 In "process" mode the kernel also runs as the server's uid with the server's view of the network and
-file system, and RLIMIT_NPROC counts all processes of that uid (root is exempt from it entirely).
+file system (so kernels can read each other's scratch dirs and connection files), RLIMIT_NPROC counts
+all processes of that uid (root is exempt from it entirely), and a kernel's children can outlive it;
+the kernel exits when the server does.
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ class Limits:
     memory_mb: int = 4096
     """RLIMIT_AS of each kernel process in MiB; torch-sized code needs at least 2048 of address space."""
     processes: int = 64
-    """RLIMIT_NPROC: processes and threads of the kernel's uid (the kernel itself uses about 10)."""
+    """RLIMIT_NPROC: processes and threads of the kernel's uid (the kernel and its init use about 12)."""
     file_size_mb: int = 64
     """RLIMIT_FSIZE in MiB: the largest file the kernel can write; also the size of its private /dev/shm."""
     open_files: int = 256
@@ -202,7 +208,7 @@ def _launcher_argv(namespaces: bool, limits: Limits, uid: int | None, python: st
         launch.append("--probe")
     if not namespaces:
         return [*launch, "--", "{connection_file}"]
-    # --fork makes the launcher (then the kernel) PID 1 of the new PID namespace; --kill-child
+    # --fork makes the launcher PID 1 of the new PID namespace (it stays as the kernel's init); --kill-child
     # SIGKILLs it if unshare dies, which takes every process of the namespace along.
     unshare = shutil.which("unshare") or "unshare"
     ns = [unshare, "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc", "--mount", "--"]
@@ -243,12 +249,11 @@ def remove_scratch(path: Path) -> None:
 
     A missing dir is fine. Symbolic links are removed, never followed.
     """
-    path = Path(path)
     try:
-        _make_removable(path)
+        _make_removable(Path(path))
+        shutil.rmtree(path)
     except FileNotFoundError:
         return
-    shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
 
 
 def _make_removable(directory: Path) -> None:
@@ -262,11 +267,6 @@ def _make_removable(directory: Path) -> None:
     for sub in subdirs:
         with contextlib.suppress(FileNotFoundError):
             _make_removable(sub)
-
-
-def _ignore_missing(func: object, path: str, exc_info: tuple) -> None:
-    if not isinstance(exc_info[1], FileNotFoundError):
-        raise exc_info[1]
 
 
 def kill_uid_processes(uid: int) -> int:

@@ -170,7 +170,8 @@ class Kernel:
         """Run `code`; never raises for anything the code does."""
         started = time.perf_counter()
         stdout, stderr = _Capture(settings.output_limit_chars), _Capture(settings.output_limit_chars)
-        msg_id = self.client.execute(code, silent=False, store_history=False, allow_stdin=False)
+        # stop_on_error=False: otherwise ipykernel may answer "aborted" to the call after an error or interrupt.
+        msg_id = self.client.execute(code, silent=False, store_history=False, allow_stdin=False, stop_on_error=False)
         error: ErrorInfo | None = None
         status = "ok"
         deadline = time.monotonic() + timeout_s

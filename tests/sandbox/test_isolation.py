@@ -39,6 +39,7 @@ SECRET = "STARE_SECRET_TOKEN"
 TEST_LIMITS = Limits(memory_mb=2048, processes=48, file_size_mb=8, open_files=200)
 NS_UID = UID_BASE + 990
 FORK_UID = UID_BASE + 991
+TERM_UID = UID_BASE + 992
 
 
 def namespaces_or_skip() -> Isolation:
@@ -79,7 +80,7 @@ class Kernel:
             if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
                 out.append(msg["content"]["text"])
 
-        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook, stop_on_error=False)
         return "".join(out), reply["content"]
 
     def value(self, expression: str, setup: str = "") -> object:
@@ -158,6 +159,24 @@ def test_limits_reject_bad_values(field):
 def test_detect_isolation_rejects_unknown_mode():
     with pytest.raises(ValueError, match="isolation must be one of auto, namespaces, process; got 'docker'"):
         detect_isolation("docker")
+
+
+def test_namespaces_need_root(monkeypatch):
+    from sandbox.isolation import _namespace_problem
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    _namespace_problem.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="isolation='namespaces' does not work here: .*needs root"):
+            detect_isolation("namespaces")
+        assert detect_isolation("auto").mode == "process"
+    finally:
+        _namespace_problem.cache_clear()
+
+
+def test_kill_uid_processes_refuses_root():
+    with pytest.raises(ValueError, match="refusing"):
+        kill_uid_processes(0)
 
 
 def test_process_isolation_reports_only_what_it_enforces():
@@ -340,8 +359,15 @@ def test_numpy_and_sympy_import(ns_kernel):
 
 
 def test_interrupt_stops_a_busy_loop_and_the_kernel_survives(ns_kernel):
-    msg_id = ns_kernel.kc.execute("while True: pass")
-    time.sleep(1.0)
+    # stop_on_error=False (as in Kernel.run): otherwise ipykernel 7 may abort the next request too (it
+    # stops aborting only when a dummy message it posts to itself comes through, maybe after that request)
+    msg_id = ns_kernel.kc.execute("print('looping', flush=True)\nwhile True: pass", stop_on_error=False)
+    # interrupt only once the loop runs: a SIGINT that lands between two cells is ignored by ipykernel
+    while True:
+        msg = ns_kernel.kc.get_iopub_msg(timeout=10)
+        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            break
+    time.sleep(0.2)
     ns_kernel.km.interrupt_kernel()
     reply = ns_kernel.kc.get_shell_msg(timeout=10)
     assert reply["parent_header"]["msg_id"] == msg_id
@@ -380,3 +406,27 @@ except OSError as e:
         assert pids_of_uid(FORK_UID) == []
         scratch = k.scratch
     assert not scratch.exists()
+
+
+def test_orphans_are_reaped_and_sigterm_ends_the_kernel(tmp_path):
+    isolation = namespaces_or_skip()
+    with started_kernel(tmp_path, isolation, TERM_UID) as k:
+        # a grandchild orphaned to PID 1 must not stay a zombie (PID 1 is the launcher, an init that reaps)
+        setup = """import os, time
+child = os.fork()
+if child == 0:
+    if os.fork() == 0:
+        time.sleep(0.3)
+        os._exit(0)
+    os._exit(0)
+os.waitpid(child, 0)
+time.sleep(1.0)
+states = [open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] for p in os.listdir("/proc") if p.isdigit()]"""
+        assert "Z" not in k.value("states", setup)
+        # jupyter_client's second shutdown step, SIGTERM to the process group, must end the kernel: a
+        # kernel that were PID 1 itself would ignore it
+        k.km.signal_kernel(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while pids_of_uid(TERM_UID) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pids_of_uid(TERM_UID) == []
