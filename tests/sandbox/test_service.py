@@ -186,6 +186,23 @@ def test_user_started_processes_do_not_outlive_the_session(client: SandboxClient
     assert processes_mentioning("sleep 1234") == []
 
 
+def test_hostile_code_through_the_service(client: SandboxClient, server: Server):
+    """Network, files outside the scratch dir, the server's process: all out of reach (namespace isolation)."""
+    if client.health()["isolation"]["mode"] != "namespaces":
+        pytest.skip("namespace isolation is not available on this machine")
+    attempts = {
+        "network": f"import socket\nsocket.create_connection(('127.0.0.1', {server.port}), timeout=2)",
+        "read_shadow": "open('/etc/shadow').read()",
+        "write_outside": "open('/tmp/escaped.txt', 'w').write('x')",
+        "signal_server": f"import os, signal\nos.kill({server.proc.pid}, signal.SIGTERM)",
+    }
+    for name, code in attempts.items():
+        result = client.execute(code)
+        assert result.status == "error", (name, result)
+    assert not Path("/tmp/escaped.txt").exists()
+    assert client.health()["status"] == "ok"  # the server survived
+
+
 def test_disk_filler_hits_the_file_size_cap(client: SandboxClient):
     code = "with open('big.bin', 'wb') as f:\n    f.write(b'0' * (200 * 2**20))"
     result = client.execute(code)
