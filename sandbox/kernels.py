@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import queue
+import random
 import re
 import shutil
 import tempfile
@@ -91,7 +92,8 @@ class PoolSettings:
     startup_timeout_s: float = 60.0
     """A kernel that is not ready within this is a sandbox_error."""
     stateless_reuse: int = 50
-    """Stateless runs one kernel serves (with a reset between them) before it is replaced; 0 = fresh every run."""
+    """Stateless runs a kernel serves (reset between them) before it is replaced, drawn per kernel from
+    [ceil(n/2), n] so kernels do not all retire together; 0 = a fresh kernel every run."""
     scratch_root: str = ""
     """Where scratch directories are made; empty = a new folder in the system temp dir."""
     warmup_code: str = "import math\nimport numpy as np\nimport sympy as sp\n"
@@ -164,6 +166,7 @@ class Kernel:
         self.scratch = scratch
         self.slot = slot
         self.runs = 0  # stateless runs served, resets and warm-up not counted
+        self.reuse_limit = 0  # stateless runs before replacement; set by the pool
         self.dead = False
 
     async def execute(self, code: str, timeout_s: float, settings: PoolSettings) -> RunResult:
@@ -330,7 +333,7 @@ class KernelPool:
     async def give_back(self, kernel: Kernel) -> None:
         """After a stateless run: reset and pool the kernel, or replace it."""
         try:
-            reusable = not kernel.dead and kernel.runs < self.settings.stateless_reuse and not self._closed
+            reusable = not kernel.dead and kernel.runs < kernel.reuse_limit and not self._closed
             if reusable:
                 reset = await kernel.execute(RESET_CODE + self.settings.warmup_code, 30.0, self.settings)
                 reusable = reset.status == "ok" and not kernel.dead and not self._closed
@@ -396,6 +399,10 @@ class KernelPool:
         manager.ip = str(scratch / "ipc")
         manager.connection_file = str(scratch / "kernel.json")
         kernel = Kernel(manager, scratch, slot)
+        # Spread retirements: with one shared limit, kernels used in turn all retire in the same second and
+        # every waiting call starts a kernel (docs/sandbox.md, stateless at concurrency 32).
+        reuse = self.settings.stateless_reuse
+        kernel.reuse_limit = random.randint((reuse + 1) // 2, reuse) if reuse else 0
         try:
             await asyncio.wait_for(manager.start_kernel(env=kernel_env(scratch)), self.settings.startup_timeout_s)
             kernel.client = manager.client()
