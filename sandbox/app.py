@@ -19,9 +19,20 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sandbox.kernels import KernelPool, PoolSettings, SandboxError, SessionStore, run_stateless
-from sandbox.schemas import ExecuteRequest, RunResult, SessionCreated
+from sandbox.schemas import ErrorResponse, ExecuteRequest, RunResult, SessionCreated
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+# Error bodies of the routes, for the OpenAPI description of the wire contract.
+ERRORS = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in {
+        401: "missing or wrong access token",
+        404: "unknown, closed or expired session",
+        413: "code longer than max_code_chars",
+        429: "overloaded; retry after Retry-After seconds",
+        503: "no kernel or session available now; retry after Retry-After seconds",
+    }.items()
+}
 
 
 @dataclass(frozen=True)
@@ -174,7 +185,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     def unknown(session_id: str) -> HTTPException:
         return HTTPException(404, f"no session {session_id!r}: it was closed, expired, or never existed")
 
-    @app.post("/v1/sessions", status_code=201, response_model=SessionCreated)
+    @app.post("/v1/sessions", status_code=201, response_model=SessionCreated, responses=ERRORS)
     async def create_session() -> SessionCreated:
         async with admission.slot():
             try:
@@ -182,7 +193,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             except SandboxError as exc:
                 raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
 
-    @app.post("/v1/sessions/{session_id}/execute", response_model=RunResult)
+    @app.post("/v1/sessions/{session_id}/execute", response_model=RunResult, responses=ERRORS)
     async def execute_in_session(session_id: str, body: ExecuteRequest) -> RunResult:
         timeout_s = timeout_of(body)
         if not sessions.exists(session_id):
@@ -192,13 +203,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
         except KeyError:  # closed or expired while waiting for a slot
             raise unknown(session_id) from None
 
-    @app.delete("/v1/sessions/{session_id}", status_code=204)
+    @app.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS)
     async def close_session(session_id: str) -> Response:
         if not await sessions.close(session_id):
             raise unknown(session_id)
         return Response(status_code=204)
 
-    @app.post("/v1/execute", response_model=RunResult)
+    @app.post("/v1/execute", response_model=RunResult, responses=ERRORS)
     async def execute_stateless(body: ExecuteRequest) -> RunResult:
         timeout_s = timeout_of(body)
         return await run("stateless", lambda: run_stateless(pool, body.code, timeout_s))

@@ -12,7 +12,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Status = Literal["ok", "error", "timeout", "memory", "sandbox_error"]
-USER_FAILURES: frozenset[str] = frozenset({"error", "timeout", "memory"})
 
 
 class ExecuteRequest(BaseModel):

@@ -241,6 +241,13 @@ def test_bad_requests_get_json_4xx(server: Server):
     assert httpx.delete(f"{server.url}/v1/sessions/nope").status_code == 404
 
 
+def test_openapi_describes_the_contract(server: Server):
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    execute = spec["paths"]["/v1/execute"]["post"]
+    assert {"200", "413", "422", "429"} <= set(execute["responses"])
+    assert "RunResult" in spec["components"]["schemas"] and "ErrorResponse" in spec["components"]["schemas"]
+
+
 def test_metrics_endpoint(server: Server):
     text = httpx.get(f"{server.url}/metrics").text
     assert "sandbox_runs_total" in text and "sandbox_pool_ready" in text
