@@ -68,6 +68,20 @@ class _Common:
         # The server may queue the call and then run it for up to timeout_s (plus interrupt grace).
         return httpx.Timeout(self.timeout_s + (timeout_s or 0.0), connect=5.0)
 
+    def _settle(
+        self, attempt: int, method: str, url: str, response: httpx.Response | None, error: httpx.TransportError | None
+    ) -> httpx.Response | None:
+        """The response to return, or None to retry after a backoff; raises when retrying is not allowed."""
+        if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):  # never sent: safe to retry
+            if attempt == self.retries:
+                raise SandboxUnavailable(f"cannot reach {self.base_url}{url}: {error}") from error
+            return None
+        if error is not None:  # sent, fate unknown: a retry could run the code twice
+            raise SandboxUnavailable(f"{method} {self.base_url}{url} failed after sending: {error}") from error
+        if response.status_code not in RETRY_STATUS or attempt == self.retries:
+            return _check(response, url)
+        return None
+
 
 class SandboxClient(_Common):
     """Synchronous HTTP client with connection pooling. Use as a context manager or call close()."""
@@ -86,16 +100,14 @@ class SandboxClient(_Common):
 
     def _request(self, method: str, url: str, *, timeout_s: float | None = None, **kw: Any) -> httpx.Response:
         for attempt in range(self.retries + 1):
-            response = None
+            response, error = None, None
             try:
                 response = self._http.request(method, url, timeout=self._http_timeout(timeout_s), **kw)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt == self.retries:
-                    raise SandboxUnavailable(f"cannot reach {self.base_url}{url}: {exc}") from exc
             except httpx.TransportError as exc:
-                raise SandboxUnavailable(f"{method} {self.base_url}{url} failed after sending: {exc}") from exc
-            if response is not None and (response.status_code not in RETRY_STATUS or attempt == self.retries):
-                return _check(response, url)
+                error = exc
+            settled = self._settle(attempt, method, url, response, error)
+            if settled is not None:
+                return settled
             time.sleep(_delay(attempt, self.backoff_s, response))
         raise AssertionError("unreachable")
 
@@ -145,16 +157,14 @@ class AsyncSandboxClient(_Common):
 
     async def _request(self, method: str, url: str, *, timeout_s: float | None = None, **kw: Any) -> httpx.Response:
         for attempt in range(self.retries + 1):
-            response = None
+            response, error = None, None
             try:
                 response = await self._http.request(method, url, timeout=self._http_timeout(timeout_s), **kw)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt == self.retries:
-                    raise SandboxUnavailable(f"cannot reach {self.base_url}{url}: {exc}") from exc
             except httpx.TransportError as exc:
-                raise SandboxUnavailable(f"{method} {self.base_url}{url} failed after sending: {exc}") from exc
-            if response is not None and (response.status_code not in RETRY_STATUS or attempt == self.retries):
-                return _check(response, url)
+                error = exc
+            settled = self._settle(attempt, method, url, response, error)
+            if settled is not None:
+                return settled
             await asyncio.sleep(_delay(attempt, self.backoff_s, response))
         raise AssertionError("unreachable")
 
