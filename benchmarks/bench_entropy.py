@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from _machine import cpu_snapshot, other_cores
 from torch import Tensor
 
 import stare_agent
@@ -65,26 +66,6 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-def cpu_snapshot() -> tuple[float, float, float] | None:
-    """(CPU seconds busy on the whole machine, CPU seconds of this process, wall clock); None without /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    own = os.times()
-    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.perf_counter()
-
-
-def other_cores(start: tuple[float, float, float] | None) -> float | None:
-    """Average number of cores other processes kept busy since `start` (they distort the timings)."""
-    end = cpu_snapshot()
-    if start is None or end is None:
-        return None
-    return max((end[0] - start[0]) - (end[1] - start[1]), 0.0) / (end[2] - start[2])
 
 
 def worker(spec: dict, out_path: str) -> None:

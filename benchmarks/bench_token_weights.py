@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _machine import cpu_snapshot, other_cores
 from torch import Tensor
 
 from stare_agent.stare import token_weights
@@ -72,25 +73,10 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int)
     return out
 
 
-def cpu_snapshot() -> tuple[float, float, float] | None:
-    """(CPU seconds busy on the whole machine, CPU seconds of this process, wall clock); None without /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    own = os.times()
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.perf_counter()
-
-
 def other_load(start: tuple[float, float, float] | None) -> str:
     """Average number of cores other processes kept busy since `start` (they distort the timings)."""
-    end = cpu_snapshot()
-    if start is None or end is None:
-        return "unknown"
-    others = max((end[0] - start[0]) - (end[1] - start[1]), 0.0)
-    return f"{others / (end[2] - start[2]):.2f} of {os.cpu_count()} cores"
+    others = other_cores(start)
+    return "unknown" if others is None else f"{others:.2f} of {os.cpu_count()} cores"
 
 
 def main(argv: list[str] | None = None) -> None:
