@@ -1,5 +1,8 @@
-"""Data: benchmark loaders for the six math test sets, and a generic loader with field mapping.
+"""Data: SFT transcripts to token ids and loss masks, RL prompt sets, and the six benchmark loaders.
 
+Records are read from .jsonl, a .json array, or .parquet; every error names the file, the line or
+row, and the field. SFT transcripts are tokenized segment by segment exactly as the agent builds
+RL sequences (protocol.split_transcript / encode_segment), so SFT trains on the ids RL will show.
 Each benchmark keeps its original schema (see shared/benchmarks/README.md); the loaders map it to
 `Problem`. Files are read from a local folder: nothing is fetched from a model hub.
 """
@@ -11,8 +14,9 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from stare_agent import protocol
 from stare_agent.reward import extract_answer
 
 
@@ -34,9 +38,16 @@ class Problem:
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
-def read_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line or row number, record) from a .jsonl file or a .json array; errors name file and line."""
+def read_records(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) from a .jsonl file, a .json array or a .parquet file.
+
+    `where` is "file:line" for jsonl, "file: row N" (from 0) for json arrays and parquet, ready to
+    prefix an error message.
+    """
     path = Path(path)
+    if path.suffix == ".parquet":
+        yield from _parquet_records(path)
+        return
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -51,7 +62,7 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         for index, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise DataError(f"{path}: row {index}: expected an object, got {type(row).__name__}")
-            yield index, row
+            yield f"{path}: row {index}", row
         return
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -62,7 +73,21 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise DataError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{number}: expected an object, got {type(row).__name__}")
-        yield number, row
+        yield f"{path}:{number}", row
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow.parquet as pq  # only parquet users pay for the import
+
+    try:
+        table = pq.ParquetFile(path)
+    except (OSError, ValueError) as exc:  # pyarrow raises ArrowInvalid (a ValueError) for non-parquet bytes
+        raise DataError(f"cannot read {path} as parquet: {exc}") from None
+    index = 0
+    for batch in table.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            yield f"{path}: row {index}", row
+            index += 1
 
 
 def _field(row: dict[str, Any], name: str, where: str) -> Any:
@@ -74,15 +99,15 @@ def _field(row: dict[str, Any], name: str, where: str) -> Any:
 def load_problems(
     path: str | Path, *, problem_field: str = "problem", answer_field: str = "answer", source: str | None = None
 ) -> list[Problem]:
-    """A user file (jsonl or json array) with configurable problem and answer fields."""
+    """An RL prompt set or a user's test file (jsonl, json array or parquet) with configurable problem and
+    answer fields; a record's `id` field is kept, else ids are '<source>-<index>'."""
     source = source or Path(path).stem
     problems = []
-    for number, row in read_records(path):
-        where = f"{path}:{number}"
+    for where, row in read_records(path):
         answer = _field(row, answer_field, where)
         problems.append(
             Problem(
-                id=str(row.get("id", f"{source}-{number}")),
+                id=str(row.get("id", f"{source}-{len(problems)}")),
                 problem=str(_field(row, problem_field, where)),
                 answer=str(answer).strip(),
                 source=source,
@@ -93,8 +118,7 @@ def load_problems(
 
 def _olympiad(path: Path) -> list[Problem]:
     problems = []
-    for number, row in read_records(path):
-        where = f"{path}:{number}"
+    for where, row in read_records(path):
         answers = _field(row, "final_answer", where)
         if not isinstance(answers, list) or not answers:
             raise DataError(f"{where}: field 'final_answer' must be a non-empty list, got {answers!r}")
@@ -103,7 +127,7 @@ def _olympiad(path: Path) -> list[Problem]:
         parts = [" ".join(str(a).replace("$", " ").split()) for a in answers]
         problems.append(
             Problem(
-                id=str(row.get("id", f"olympiadbench-{number}")),
+                id=str(row.get("id", f"olympiadbench-{len(problems)}")),
                 problem=str(_field(row, "question", where)),
                 answer=", ".join(parts),
                 source="olympiadbench",
@@ -116,14 +140,13 @@ def _olympiad(path: Path) -> list[Problem]:
 
 def _minerva(path: Path) -> list[Problem]:
     problems = []
-    for number, row in read_records(path):
-        where = f"{path}:{number}"
+    for where, row in read_records(path):
         answer = extract_answer(str(_field(row, "solution", where)))
         if answer is None:
             raise DataError(f"{where}: field 'solution' has no \\boxed{{}} answer")
         problems.append(
             Problem(
-                id=str(row.get("idx", f"minerva_math-{number}")),
+                id=str(row.get("idx", f"minerva_math-{len(problems)}")),
                 problem=str(_field(row, "problem", where)),
                 answer=answer,
                 source="minerva_math",
@@ -160,3 +183,112 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[Proble
     if not (path / filename).exists():
         raise DataError(f"benchmark file {path / filename} not found (set STARE_BENCHMARKS_DIR or pass data_dir)")
     return loader(path / filename)
+
+
+# --- SFT transcripts ----------------------------------------------------------------------------------------------
+
+Truncation = Literal["right", "drop", "error"]
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    id: str
+    input_ids: list[int]
+    """Prompt, then the transcript's segments tokenized one by one, then EOS."""
+    loss_mask: list[int]
+    """Same length; 1 = text the model writes (trained on), 0 = prompt and interpreter output, tags included."""
+    where: str
+    """File and line/row it came from."""
+    truncated: bool = False
+
+
+@dataclass
+class SFTReport:
+    """What loading a transcript file did: nothing is dropped without being counted here."""
+
+    rows: int = 0
+    truncated: int = 0
+    dropped: list[str] = field(default_factory=list)
+    """'where: why' for each row left out."""
+
+
+def transcript_messages(row: dict[str, Any], where: str, field_name: str = "messages") -> list[dict[str, str]]:
+    """The row's messages, checked: roles system/user/assistant, string contents, exactly one assistant
+    message and it comes last, at least one user message before it."""
+    messages = _field(row, field_name, where)
+    if not isinstance(messages, list):
+        raise DataError(f"{where}: field {field_name!r} must be a list of messages, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        name = f"{field_name}[{i}]"
+        if not isinstance(message, dict) or set(message) < {"role", "content"}:
+            raise DataError(f"{where}: {name} must be an object with 'role' and 'content', got {message!r:.80}")
+        if message["role"] not in ("system", "user", "assistant"):
+            raise DataError(f"{where}: {name}.role must be one of system, user, assistant; got {message['role']!r}")
+        if not isinstance(message["content"], str):
+            raise DataError(f"{where}: {name}.content must be a string, got {type(message['content']).__name__}")
+    roles = [m["role"] for m in messages]
+    if roles.count("assistant") != 1 or roles[-1] != "assistant" or "user" not in roles:
+        raise DataError(
+            f"{where}: field {field_name!r} must be [system], user, assistant with one assistant message last; "
+            f"got roles {roles}"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def tokenize_transcript(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of a transcript whose last message is the assistant's.
+
+    The prompt is rendered from the messages before it (chat template, generation prompt added) and
+    masked out; the assistant text is split into model and observation segments, each tokenized on
+    its own; EOS ends the sequence and is trained on, so the model learns to stop.
+    """
+    ids = protocol.encode_prompt(tokenizer, messages[:-1])
+    mask = [0] * len(ids)
+    for segment in protocol.split_transcript(messages[-1]["content"]):
+        segment_ids = protocol.encode_segment(tokenizer, segment.text)
+        ids += segment_ids
+        mask += [int(segment.kind == "model")] * len(segment_ids)
+    ids.append(tokenizer.eos_token_id)
+    mask.append(1)
+    return ids, mask
+
+
+def load_sft(
+    path: str | Path,
+    tokenizer: Any,
+    *,
+    max_tokens: int,
+    truncation: Truncation = "right",
+    messages_field: str = "messages",
+) -> tuple[list[SFTExample], SFTReport]:
+    """SFT examples from a ReTool-SFT style file (rows with `messages`), jsonl, json array or parquet.
+
+    Sequences longer than `max_tokens`: `right` keeps the first max_tokens ids (the end of the
+    transcript is not trained on), `drop` leaves the row out, `error` raises. A row whose prompt
+    alone leaves no room for a trained token is left out under `right` and `drop`. Every row left
+    out or cut is counted in the report with its location.
+    """
+    if truncation not in ("right", "drop", "error"):
+        raise ValueError(f"truncation must be one of right, drop, error; got {truncation!r}")
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no EOS token; SFT sequences end with one")
+    examples, report = [], SFTReport()
+    for where, row in read_records(path):
+        report.rows += 1
+        messages = transcript_messages(row, where, messages_field)
+        try:
+            ids, mask = tokenize_transcript(tokenizer, messages)
+        except ValueError as exc:  # unbalanced interpreter tags
+            raise DataError(f"{where}: field {messages_field!r}: assistant content: {exc}") from None
+        cut = len(ids) > max_tokens
+        if cut:
+            why = f"{len(ids)} tokens > max_tokens={max_tokens}"
+            if truncation == "error":
+                raise DataError(f"{where}: {why} (truncation='error')")
+            if truncation == "drop" or sum(mask[:max_tokens]) == 0:
+                report.dropped.append(f"{where}: {why}" + ("" if truncation == "drop" else ", prompt fills it"))
+                continue
+            ids, mask = ids[:max_tokens], mask[:max_tokens]
+            report.truncated += 1
+        examples.append(SFTExample(str(row.get("id", f"{Path(path).stem}-{report.rows - 1}")), ids, mask, where, cut))
+    return examples, report

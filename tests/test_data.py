@@ -31,7 +31,7 @@ def test_generic_loader_and_errors(tmp_path):
     good = tmp_path / "mine.jsonl"
     good.write_text(json.dumps({"q": "1+1?", "a": 2}) + "\n\n" + json.dumps({"q": "2+2?", "a": "4", "id": "x"}) + "\n")
     problems = load_problems(good, problem_field="q", answer_field="a")
-    assert [(p.id, p.answer) for p in problems] == [("mine-1", "2"), ("x", "4")]
+    assert [(p.id, p.answer) for p in problems] == [("mine-0", "2"), ("x", "4")]
 
     missing = tmp_path / "missing.jsonl"
     missing.write_text(json.dumps({"q": "1"}) + "\n")

@@ -1,0 +1,270 @@
+"""Synthetic math tasks for training tiny tool-using agents: problems that a 1-3 line Python program solves exactly.
+
+Each family ("mod_pow", "gcd", ...) has one fixed English template, an exact integer answer computed here in plain
+Python, and a `solution_code` snippet that prints that answer, written the way a model should write it. Difficulty 1
+keeps the numbers small enough for a strong human to work by hand; difficulty 3 clearly needs code.
+
+Train and test never share a problem, whatever the seeds: a problem belongs to the test split when the SHA-256 of its
+text falls in 2 of 10 buckets and to train otherwise (`split_of`), and `generate_tasks` keeps only candidates of the
+split it was asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args
+
+from stare_agent import protocol
+from stare_agent.data import Problem
+
+Difficulty = Literal[1, 2, 3]
+Split = Literal["train", "test"]
+
+TEST_BUCKETS = frozenset({0, 1})
+"""Buckets (of 10, from the SHA-256 of the problem text) whose problems are test-only."""
+MAX_TRIES = 2000
+"""Candidates rejected in a row (other split, or already drawn) before a family and difficulty count as exhausted."""
+
+# One drawn problem: (text, answer, solution_code). In each family the ranges are indexed by difficulty - 1.
+Draw = tuple[str, int, str]
+
+
+def _mod_pow(rng: random.Random, level: int) -> Draw:
+    a = rng.randint(*((2, 9), (2, 50), (10, 1000))[level - 1])
+    b = rng.randint(*((10, 30), (50, 500), (1000, 10**6))[level - 1])
+    m = rng.randint(*((3, 20), (10, 100), (100, 10**4))[level - 1])
+    return f"What is the remainder when {a}^{b} is divided by {m}?", pow(a, b, m), f"print(pow({a}, {b}, {m}))"
+
+
+def _digit_sum_pow(rng: random.Random, level: int) -> Draw:
+    lo, hi = ((2, 15), (2, 30), (2, 100))[level - 1]
+    a = rng.choice([k for k in range(lo, hi + 1) if k % 10])  # powers of 10 are trivial
+    b = rng.randint(*((2, 9), (10, 40), (50, 300))[level - 1])
+    value, total = a**b, 0
+    while value:
+        value, digit = divmod(value, 10)
+        total += digit
+    return f"What is the sum of the digits of {a}^{b}?", total, f"print(sum(int(d) for d in str({a}**{b})))"
+
+
+def _count_divisible(rng: random.Random, level: int) -> Draw:
+    n = rng.randint(*((30, 100), (100, 2000), (10**4, 10**5))[level - 1])
+    lo, hi = ((2, 6), (3, 15), (7, 60))[level - 1]
+    a, b = sorted(rng.sample(range(lo, hi + 1), 2))
+    answer = n // a + n // b - n // math.lcm(a, b)  # inclusion-exclusion
+    text = f"How many integers from 1 to {n} are divisible by {a} or by {b}?"
+    return text, answer, f"print(sum(1 for k in range(1, {n + 1}) if k % {a} == 0 or k % {b} == 0))"
+
+
+def _num_divisors(rng: random.Random, level: int) -> Draw:
+    n = rng.randint(*((12, 200), (200, 10**4), (10**5, 10**6))[level - 1])
+    answer = sum(1 if q * q == n else 2 for q in range(1, math.isqrt(n) + 1) if n % q == 0)
+    return (
+        f"How many positive divisors does {n} have?",
+        answer,
+        f"print(sum(1 for d in range(1, {n + 1}) if {n} % d == 0))",
+    )
+
+
+def _gcd(rng: random.Random, level: int) -> Draw:
+    # A shared factor g, so that the answer is rarely 1.
+    lo, hi = ((2, 12), (10, 200), (100, 10**5))[level - 1]
+    g = rng.randint(lo, hi)
+    a, b = (g * x for x in sorted(rng.sample(range(lo, hi + 1), 2)))
+    return (
+        f"What is the greatest common divisor of {a} and {b}?",
+        math.gcd(a, b),
+        f"import math\nprint(math.gcd({a}, {b}))",
+    )
+
+
+def _sum_squares_mod(rng: random.Random, level: int) -> Draw:
+    n = rng.randint(*((5, 15), (20, 300), (1000, 10**5))[level - 1])
+    m = rng.randint(*((7, 50), (50, 1000), (1000, 10**5))[level - 1])
+    answer = n * (n + 1) * (2 * n + 1) // 6 % m
+    text = f"What is the remainder when 1^2 + 2^2 + ... + {n}^2 is divided by {m}?"
+    return text, answer, f"print(sum(k * k for k in range(1, {n + 1})) % {m})"
+
+
+def _fib(n: int, m: int) -> tuple[int, int]:
+    """(F(n) mod m, F(n+1) mod m) by fast doubling: a different route from the loop in the solution code."""
+    if n == 0:
+        return 0, 1 % m
+    a, b = _fib(n // 2, m)
+    even = a * (2 * b - a) % m  # F(2k)
+    odd = (a * a + b * b) % m  # F(2k+1)
+    return (odd, (even + odd) % m) if n % 2 else (even, odd)
+
+
+def _fib_mod(rng: random.Random, level: int) -> Draw:
+    n = rng.randint(*((10, 25), (30, 300), (1000, 10**5))[level - 1])
+    m = rng.randint(*((5, 30), (10, 1000), (1000, 10**5))[level - 1])
+    text = (
+        "The Fibonacci numbers are F(1) = 1, F(2) = 1 and F(k) = F(k-1) + F(k-2). "
+        f"What is the remainder when F({n}) is divided by {m}?"
+    )
+    code = f"a, b = 0, 1\nfor _ in range({n}):\n    a, b = b, (a + b) % {m}\nprint(a)"
+    return text, _fib(n, m)[0], code
+
+
+def _count_primes(rng: random.Random, level: int) -> Draw:
+    n = rng.randint(*((10, 200), (200, 5000), (10**4, 10**5))[level - 1])
+    sieve = bytearray([0, 0]) + bytearray([1]) * (n - 1)  # sieve[k] = 1 iff k is prime, k = 0..n
+    for p in range(2, math.isqrt(n) + 1):
+        if sieve[p]:
+            sieve[p * p :: p] = bytes(len(range(p * p, n + 1, p)))
+    code = f"import math\nprint(sum(1 for k in range(2, {n + 1}) if all(k % d for d in range(2, math.isqrt(k) + 1))))"
+    return f"How many prime numbers are less than or equal to {n}?", sum(sieve), code
+
+
+_FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
+    "mod_pow": _mod_pow,
+    "digit_sum_pow": _digit_sum_pow,
+    "count_divisible": _count_divisible,
+    "num_divisors": _num_divisors,
+    "gcd": _gcd,
+    "sum_squares_mod": _sum_squares_mod,
+    "fib_mod": _fib_mod,
+    "count_primes": _count_primes,
+}
+FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def split_of(text: str) -> Split:
+    """The only split this problem text may ever appear in."""
+    bucket = int(hashlib.sha256(text.encode("utf-8")).hexdigest(), 16) % 10
+    return "test" if bucket in TEST_BUCKETS else "train"
+
+
+def generate_tasks(
+    n: int,
+    *,
+    seed: int = 0,
+    split: Split = "train",
+    difficulty: int | Sequence[int] = (1, 2, 3),
+    families: Sequence[str] | None = None,
+) -> list[Problem]:
+    """n distinct problems of `split`, the same list for the same arguments.
+
+    Families and difficulties are mixed by a diagonal walk over the F x D grid of (family, difficulty), stepping
+    along its longer side: the first max(F, D) problems hold every family and every difficulty, the first F * D
+    problems every pair.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0; got {n}")
+    if split not in get_args(Split):
+        raise ValueError(f"split must be one of {', '.join(get_args(Split))}; got {split!r}")
+    levels = [difficulty] if isinstance(difficulty, int) else list(difficulty)
+    if not levels or any(level not in get_args(Difficulty) for level in levels):
+        raise ValueError(f"difficulty must be one of 1, 2, 3 (or a non-empty sequence of them); got {difficulty!r}")
+    names = [families] if isinstance(families, str) else list(FAMILIES if families is None else families)
+    unknown = [name for name in names if name not in _FAMILIES]
+    if not names or unknown:
+        raise ValueError(f"families must be a non-empty selection of {', '.join(FAMILIES)}; got {families!r}")
+
+    # A str seed is hashed with SHA-512 by `random`, so the stream is the same in every process.
+    rng = random.Random(f"stare-tasks:{split}:{seed}")
+    problems: list[Problem] = []
+    seen: set[str] = set()
+    long_side, short_side = max(len(names), len(levels)), min(len(names), len(levels))
+    for i in range(n):
+        step, lap = i % long_side, (i % long_side + i // long_side) % short_side
+        name, level = (names[step], levels[lap]) if len(names) >= len(levels) else (names[lap], levels[step])
+        for _ in range(MAX_TRIES):
+            text, answer, code = _FAMILIES[name](rng, level)
+            problem_id = f"synthetic-{split}-{name}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}"
+            if split_of(text) == split and problem_id not in seen:
+                break
+        else:
+            raise ValueError(
+                f"could not draw a new {split} problem of family {name!r} at difficulty {level} after {MAX_TRIES} "
+                f"tries ({len(problems)} drawn so far): ask for fewer problems or allow more difficulties"
+            )
+        seen.add(problem_id)
+        meta = {"family": name, "difficulty": level, "split": split, "solution_code": code}
+        problems.append(Problem(id=problem_id, problem=text, answer=str(answer), source="synthetic", meta=meta))
+    return problems
+
+
+# --- tool-use transcripts (SFT) -----------------------------------------------------------------------------------
+
+_INTROS = (
+    "This needs exact arithmetic, so I will let Python compute it.",
+    "Doing this by hand is error-prone; a short program gives the exact value.",
+    "I will write a small program to compute this exactly.",
+    "Let me compute it with Python.",
+)
+_TYPO_FIX = "The last line has a typo in the variable name. `result` already holds the value, so I print it."
+
+
+def _call(code: str) -> str:
+    return f"{protocol.CODE_OPEN}\n```python\n{code}\n```\n{protocol.CODE_CLOSE}"
+
+
+async def _transcript(problem: Problem, client: Any, rng: random.Random, with_error: bool, max_chars: int) -> str:
+    """The assistant text for one problem, each code block run in one stateful sandbox session."""
+    code = problem.meta["solution_code"]
+    *body, last = code.splitlines()
+    if not (last.startswith("print(") and last.endswith(")")):
+        raise ValueError(f"{problem.id}: solution_code must end with a print(...) line; got {last!r}")
+    if with_error:  # a typo the interpreter reports, then a fix that relies on the session's state
+        calls = ["\n".join([*body, f"result = {last[len('print(') : -1]}", "print(reslt)"]), "print(result)"]
+        texts = [rng.choice(_INTROS), _TYPO_FIX]
+    else:
+        calls, texts = [code], [rng.choice(_INTROS)]
+    session = await client.create_session()
+    try:
+        parts, output = [], ""
+        for text, call in zip(texts, calls, strict=True):
+            result = await client.execute(call, session)
+            if result.status == "sandbox_error":
+                raise RuntimeError(f"{problem.id}: the sandbox failed: {result.error}")
+            output = protocol.tool_output(result, max_chars)
+            parts.append(f"{text}\n{_call(call)}{protocol.observation(output)}")
+    finally:
+        await client.close_session(session)
+    if output != problem.answer:
+        raise RuntimeError(f"{problem.id}: the solution printed {output!r}, expected {problem.answer!r}")
+    return "".join(parts) + f"The program prints {output}.\n" + protocol.final_answer(output)
+
+
+async def make_sft_rows(
+    problems: Sequence[Problem],
+    client: Any,
+    *,
+    seed: int = 0,
+    error_fraction: float = 0.25,
+    system_prompt: str | None = protocol.SYSTEM_PROMPT,
+    output_max_chars: int = 1024,
+    concurrency: int = 8,
+) -> list[dict[str, Any]]:
+    """ReTool-SFT rows (`messages`: [system], user, assistant) for synthetic problems, every code block really
+    executed through `client` (a sandbox client), so each interpreter block is true output.
+
+    A fraction of transcripts first make a typo, see the NameError, and fix it in a second call that
+    uses the variable the first call left in the session. Rows come back in the order of `problems`.
+    """
+    if not 0.0 <= error_fraction <= 1.0:
+        raise ValueError(f"error_fraction must be in [0, 1]; got {error_fraction}")
+    rng = random.Random(f"stare-sft:{seed}")
+    plans = [(problem, random.Random(rng.random()), rng.random() < error_fraction) for problem in problems]
+    limit = asyncio.Semaphore(concurrency)
+
+    async def row(problem: Problem, row_rng: random.Random, with_error: bool) -> dict[str, Any]:
+        async with limit:
+            text = await _transcript(problem, client, row_rng, with_error, output_max_chars)
+        messages = [*protocol.prompt_messages(problem.problem, system_prompt), {"role": "assistant", "content": text}]
+        meta = {k: v for k, v in problem.meta.items() if k != "solution_code"}
+        return {
+            "id": problem.id,
+            "messages": messages,
+            "answer": problem.answer,
+            "source": problem.source,
+            "meta": meta,
+        }
+
+    return list(await asyncio.gather(*(row(*plan) for plan in plans)))

@@ -1,0 +1,120 @@
+"""Synthetic tasks: deterministic, train/test disjoint, and each solution snippet prints the answer computed here."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import statistics
+
+import pytest
+
+from stare_agent.data import Problem
+from stare_agent.tasks import FAMILIES, generate_tasks, split_of
+
+
+def run_snippet(code: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code, {})
+    return out.getvalue()
+
+
+def test_same_arguments_same_list_and_seeds_differ():
+    first = generate_tasks(48, seed=3)
+    assert first == generate_tasks(48, seed=3)
+    assert [p.meta for p in first] == [p.meta for p in generate_tasks(48, seed=3)]  # meta is not compared by ==
+    assert [p.problem for p in first] != [p.problem for p in generate_tasks(48, seed=4)]
+    assert generate_tasks(0) == []
+
+
+def test_problem_fields():
+    for p in generate_tasks(24, split="test"):
+        assert isinstance(p, Problem) and p.source == "synthetic"
+        assert re.fullmatch(rf"synthetic-test-{p.meta['family']}-[0-9a-f]{{8}}", p.id)
+        assert re.fullmatch(r"0|[1-9][0-9]*", p.answer)
+        assert set(p.meta) == {"family", "difficulty", "split", "solution_code"} and p.meta["split"] == "test"
+        assert split_of(p.problem) == "test"
+
+
+def test_train_and_test_are_disjoint_across_seeds():
+    train = {p.problem for seed in range(4) for p in generate_tasks(120, seed=seed, split="train")}
+    test = {p.problem for seed in range(4) for p in generate_tasks(120, seed=seed, split="test")}
+    assert len(train) > 300 and len(test) > 300
+    assert not train & test
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_no_duplicates_and_stable_ids(split):
+    problems = generate_tasks(200, seed=1, split=split, difficulty=1)
+    assert len({p.problem for p in problems}) == len({p.id for p in problems}) == 200
+    # An id depends on the problem only, not on the seed or position that produced it.
+    ids = {p.problem: p.id for seed in (1, 2) for p in generate_tasks(200, seed=seed, split=split, difficulty=1)}
+    assert all(ids[p.problem] == p.id for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("families", "difficulties"),
+    [(FAMILIES, (1, 2, 3)), (("gcd", "mod_pow"), (1, 2, 3)), (FAMILIES[:3], (3, 1, 2)), (FAMILIES[:6], (1, 2))],
+)
+def test_every_family_and_difficulty_is_represented(families, difficulties):
+    def kinds(n: int) -> list[tuple[str, int]]:
+        return [
+            (p.meta["family"], p.meta["difficulty"])
+            for p in generate_tasks(n, families=families, difficulty=difficulties)
+        ]
+
+    first = kinds(max(len(families), len(difficulties)))
+    assert {f for f, _ in first} == set(families) and {d for _, d in first} == set(difficulties)
+    assert set(kinds(len(families) * len(difficulties))) == {(f, d) for f in families for d in difficulties}
+
+
+def test_single_family_and_difficulty():
+    assert {(p.meta["family"], p.meta["difficulty"]) for p in generate_tasks(5, families="gcd", difficulty=3)} == {
+        ("gcd", 3)
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_solution_code_prints_the_answer(family, difficulty):
+    for p in generate_tasks(3, seed=difficulty, families=[family], difficulty=difficulty):
+        assert p.meta["family"] == family and p.meta["difficulty"] == difficulty
+        assert run_snippet(p.meta["solution_code"]) == p.answer + "\n", p.problem
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_numbers_grow_with_difficulty(family):
+    def mean_digits(difficulty: int) -> float:
+        problems = generate_tasks(30, families=[family], difficulty=difficulty)
+        return statistics.mean(sum(map(len, re.findall(r"\d+", p.problem))) for p in problems)
+
+    assert mean_digits(1) < mean_digits(2) < mean_digits(3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": -1}, "n must be >= 0"),
+        ({"split": "dev"}, "split must be one of train, test; got 'dev'"),
+        ({"difficulty": 4}, "difficulty must be one of 1, 2, 3"),
+        ({"difficulty": [1, 0]}, "difficulty must be one of 1, 2, 3"),
+        ({"difficulty": []}, "difficulty must be one of 1, 2, 3"),
+        (
+            {"families": ["gcd", "primes"]},
+            "families must be a non-empty selection of mod_pow, digit_sum_pow, .*'primes'",
+        ),
+        ({"families": []}, "families must be a non-empty selection of mod_pow"),
+    ],
+)
+def test_bad_arguments_name_the_allowed_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        generate_tasks(**{"n": 5, **kwargs})
+
+
+def test_exhausted_family_says_so():
+    # digit_sum_pow at difficulty 1 has about a hundred distinct texts, a fifth of them in test.
+    with pytest.raises(
+        ValueError, match="could not draw a new test problem of family 'digit_sum_pow' at difficulty 1"
+    ):
+        generate_tasks(1000, split="test", families=["digit_sum_pow"], difficulty=1)
