@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from stare_agent.config import ConfigError, SimulateConfig, load_config, to_dict
+from stare_agent.data import DataError
 
 # Commands of the pipeline that this version does not provide yet, and what they will do.
 NOT_BUILT = {
@@ -21,7 +22,6 @@ NOT_BUILT = {
     "eval": "tool-integrated evaluation on math benchmarks",
     "quickstart": "the end-to-end CPU quickstart (tiny model, SFT, RL, eval)",
     "plot": "redraw a run's plots from its metrics",
-    "data": "SFT transcript generation and data tools",
 }
 
 # Commands that take a config: name -> root config class.
@@ -45,10 +45,73 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(show)
 
     sub.add_parser("sandbox", help="the Python execution sandbox service (`stare-agent sandbox serve --help`)")
+    _add_data_parser(sub)
 
     for name, what in NOT_BUILT.items():
         sub.add_parser(name, help=f"{what} (not available yet)")
     return parser
+
+
+def _add_data_parser(sub: argparse._SubParsersAction) -> None:
+    from stare_agent.tasks import FAMILIES
+
+    data = sub.add_parser("data", help="make synthetic task sets and tool-use SFT transcripts")
+    tools = data.add_subparsers(dest="data_command", required=True, metavar="TOOL")
+    tasks = tools.add_parser("make-tasks", help="synthetic problems with exact answers (an RL prompt set)")
+    sft = tools.add_parser("make-sft", help="SFT transcripts of synthetic problems, code run in the sandbox")
+    for parser in (tasks, sft):
+        parser.add_argument("--out", required=True, help="output file, .jsonl or .parquet")
+        parser.add_argument("--n", type=int, required=True, help="number of problems")
+        parser.add_argument("--split", choices=["train", "test"], default="train", help="(default: train)")
+        parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
+        parser.add_argument("--difficulty", type=_int_list, default=[1, 2, 3], help="e.g. 1,2 (default: 1,2,3)")
+        parser.add_argument("--families", type=lambda s: s.split(","), default=None, help=", ".join(FAMILIES))
+    sft.add_argument("--error-fraction", type=float, default=0.25, help="transcripts that fix a typo (default 0.25)")
+    sft.add_argument("--sandbox-url", default=None, help="a running sandbox service; default: in-process kernels")
+    sft.add_argument("--sandbox-token", default=None, help="its token (or set SANDBOX_TOKEN)")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _data(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from stare_agent.data import write_records
+    from stare_agent.tasks import generate_tasks, make_sft_rows
+
+    try:
+        problems = generate_tasks(
+            args.n, seed=args.seed, split=args.split, difficulty=args.difficulty, families=args.families
+        )
+    except ValueError as exc:  # a bad --n, --difficulty or --families: say so like any other bad input
+        raise DataError(str(exc)) from None
+    if args.data_command == "make-tasks":
+        rows = [{"id": p.id, "problem": p.problem, "answer": p.answer, "meta": p.meta} for p in problems]
+    else:
+        from sandbox.client import AsyncSandboxClient, InProcessClient
+        from sandbox.kernels import PoolSettings
+
+        async def make() -> list[dict]:
+            if args.sandbox_url:
+                token = args.sandbox_token or os.environ.get("SANDBOX_TOKEN")
+                client = AsyncSandboxClient(args.sandbox_url, token)
+            else:
+                client = await InProcessClient(PoolSettings(pool_size=4)).start()
+            try:
+                return await make_sft_rows(problems, client, seed=args.seed, error_fraction=args.error_fraction)
+            finally:
+                await client.close()
+
+        rows = asyncio.run(make())
+    path = write_records(args.out, rows)
+    print(f"wrote {len(rows)} {'transcripts' if args.data_command == 'make-sft' else 'problems'} to {path}")
+    return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -64,7 +127,11 @@ def _show_config(args: argparse.Namespace) -> int:
     return 0
 
 
-HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {"simulate": _simulate, "config": _show_config}
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "simulate": _simulate,
+    "config": _show_config,
+    "data": _data,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.overrides = extra
     try:
         return HANDLERS[args.command](args)
-    except ConfigError as exc:
+    except (ConfigError, DataError) as exc:
         print(f"stare-agent {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -96,6 +96,12 @@ def _field(row: dict[str, Any], name: str, where: str) -> Any:
     return row[name]
 
 
+def _id(row: dict[str, Any], name: str, default: str) -> str:
+    # parquet gives None for a column a row lacks; an empty id is as good as none
+    value = row.get(name)
+    return default if value is None or value == "" else str(value)
+
+
 def load_problems(
     path: str | Path, *, problem_field: str = "problem", answer_field: str = "answer", source: str | None = None
 ) -> list[Problem]:
@@ -107,7 +113,7 @@ def load_problems(
         answer = _field(row, answer_field, where)
         problems.append(
             Problem(
-                id=str(row.get("id", f"{source}-{len(problems)}")),
+                id=_id(row, "id", f"{source}-{len(problems)}"),
                 problem=str(_field(row, problem_field, where)),
                 answer=str(answer).strip(),
                 source=source,
@@ -127,7 +133,7 @@ def _olympiad(path: Path) -> list[Problem]:
         parts = [" ".join(str(a).replace("$", " ").split()) for a in answers]
         problems.append(
             Problem(
-                id=str(row.get("id", f"olympiadbench-{len(problems)}")),
+                id=_id(row, "id", f"olympiadbench-{len(problems)}"),
                 problem=str(_field(row, "question", where)),
                 answer=", ".join(parts),
                 source="olympiadbench",
@@ -146,7 +152,7 @@ def _minerva(path: Path) -> list[Problem]:
             raise DataError(f"{where}: field 'solution' has no \\boxed{{}} answer")
         problems.append(
             Problem(
-                id=str(row.get("idx", f"minerva_math-{len(problems)}")),
+                id=_id(row, "idx", f"minerva_math-{len(problems)}"),
                 problem=str(_field(row, "problem", where)),
                 answer=answer,
                 source="minerva_math",
@@ -290,5 +296,23 @@ def load_sft(
                 continue
             ids, mask = ids[:max_tokens], mask[:max_tokens]
             report.truncated += 1
-        examples.append(SFTExample(str(row.get("id", f"{Path(path).stem}-{report.rows - 1}")), ids, mask, where, cut))
+        examples.append(SFTExample(_id(row, "id", f"{Path(path).stem}-{report.rows - 1}"), ids, mask, where, cut))
     return examples, report
+
+
+def write_records(path: str | Path, rows: list[dict[str, Any]]) -> Path:
+    """Write records as .jsonl (one JSON object per line) or .parquet, by the file's suffix."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".jsonl":
+        with path.open("w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    else:
+        raise DataError(f"cannot write {path}: the file name must end in .jsonl or .parquet")
+    return path

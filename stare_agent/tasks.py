@@ -198,7 +198,7 @@ _INTROS = (
     "I will write a small program to compute this exactly.",
     "Let me compute it with Python.",
 )
-_TYPO_FIX = "The last line has a typo in the variable name. `result` already holds the value, so I print it."
+_TYPO_FIX = "The last line has a typo in the variable name. Here is the corrected program."
 
 
 def _call(code: str) -> str:
@@ -206,27 +206,32 @@ def _call(code: str) -> str:
 
 
 async def _transcript(problem: Problem, client: Any, rng: random.Random, with_error: bool, max_chars: int) -> str:
-    """The assistant text for one problem, each code block run in one stateful sandbox session."""
+    """The assistant text for one problem; each code block is run as a stateless sandbox call.
+
+    Stateless calls reuse warm kernels (milliseconds each), where a session per transcript would start a
+    kernel per transcript; the programs are self-contained, so they also suit the stateless tool mode.
+    """
     code = problem.meta["solution_code"]
     *body, last = code.splitlines()
     if not (last.startswith("print(") and last.endswith(")")):
         raise ValueError(f"{problem.id}: solution_code must end with a print(...) line; got {last!r}")
-    if with_error:  # a typo the interpreter reports, then a fix that relies on the session's state
-        calls = ["\n".join([*body, f"result = {last[len('print(') : -1]}", "print(reslt)"]), "print(result)"]
-        texts = [rng.choice(_INTROS), _TYPO_FIX]
-    else:
-        calls, texts = [code], [rng.choice(_INTROS)]
-    session = await client.create_session()
-    try:
-        parts, output = [], ""
-        for text, call in zip(texts, calls, strict=True):
-            result = await client.execute(call, session)
-            if result.status == "sandbox_error":
-                raise RuntimeError(f"{problem.id}: the sandbox failed: {result.error}")
-            output = protocol.tool_output(result, max_chars)
-            parts.append(f"{text}\n{_call(call)}{protocol.observation(output)}")
-    finally:
-        await client.close_session(session)
+    calls, texts = [code], [rng.choice(_INTROS)]
+    if with_error:  # first a typo the interpreter reports, then the corrected program
+        value = last[len("print(") : -1]
+        calls, texts = (
+            [
+                "\n".join([*body, f"result = {value}", "print(reslt)"]),
+                "\n".join([*body, f"result = {value}", "print(result)"]),
+            ],
+            [texts[0], _TYPO_FIX],
+        )
+    parts, output = [], ""
+    for text, call in zip(texts, calls, strict=True):
+        result = await client.execute(call)
+        if result.status == "sandbox_error":
+            raise RuntimeError(f"{problem.id}: the sandbox failed: {result.error}")
+        output = protocol.tool_output(result, max_chars)
+        parts.append(f"{text}\n{_call(call)}{protocol.observation(output)}")
     if output != problem.answer:
         raise RuntimeError(f"{problem.id}: the solution printed {output!r}, expected {problem.answer!r}")
     return "".join(parts) + f"The program prints {output}.\n" + protocol.final_answer(output)
@@ -245,8 +250,8 @@ async def make_sft_rows(
     """ReTool-SFT rows (`messages`: [system], user, assistant) for synthetic problems, every code block really
     executed through `client` (a sandbox client), so each interpreter block is true output.
 
-    A fraction of transcripts first make a typo, see the NameError, and fix it in a second call that
-    uses the variable the first call left in the session. Rows come back in the order of `problems`.
+    A fraction of transcripts first make a typo, see the NameError, and run the corrected program in a
+    second call. Rows come back in the order of `problems`.
     """
     if not 0.0 <= error_fraction <= 1.0:
         raise ValueError(f"error_fraction must be in [0, 1]; got {error_fraction}")

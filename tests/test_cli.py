@@ -74,3 +74,23 @@ def test_simulate_small_run_writes_everything(tmp_path):
 def test_sandbox_subcommand_is_the_service_cli():
     out = run_cli("sandbox", "serve", "--help")
     assert out.returncode == 0 and "--token" in out.stdout and "--require-isolation" in out.stdout
+
+
+def test_data_make_tasks_and_make_sft(tmp_path, tiny_tokenizer):
+    from stare_agent.data import load_problems, load_sft
+
+    tasks = run_cli("data", "make-tasks", "--out", str(tmp_path / "rl.parquet"), "--n", "6", "--split", "test")
+    assert tasks.returncode == 0, tasks.stderr
+    problems = load_problems(tmp_path / "rl.parquet")
+    assert len(problems) == 6 and all(p.id.startswith("synthetic-test-") for p in problems)
+
+    sft = run_cli("data", "make-sft", "--out", str(tmp_path / "sft.jsonl"), "--n", "4", "--difficulty", "1")
+    assert sft.returncode == 0, sft.stderr
+    examples, report = load_sft(tmp_path / "sft.jsonl", tiny_tokenizer, max_tokens=4096)
+    assert len(examples) == 4 and not report.dropped
+
+    bad = run_cli("data", "make-tasks", "--out", str(tmp_path / "x.jsonl"), "--n", "2", "--families", "gcd,nope")
+    assert bad.returncode == 2 and "families must be a non-empty selection of" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    wrong_suffix = run_cli("data", "make-tasks", "--out", str(tmp_path / "x.csv"), "--n", "2")
+    assert wrong_suffix.returncode == 2 and "must end in .jsonl or .parquet" in wrong_suffix.stderr

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from stare_agent.data import BENCHMARKS, DataError, load_benchmark, load_problems
+from stare_agent import protocol
+from stare_agent.data import (
+    BENCHMARKS,
+    DataError,
+    Problem,
+    load_benchmark,
+    load_problems,
+    load_sft,
+    tokenize_transcript,
+    write_records,
+)
 
 SIZES = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva_math": 272, "olympiadbench": 675}
 
@@ -45,3 +56,140 @@ def test_generic_loader_and_errors(tmp_path):
         load_benchmark("aime26")
     with pytest.raises(DataError, match="not found"):
         load_benchmark("aime24", tmp_path)
+
+
+# --- SFT transcripts ----------------------------------------------------------------------------------------------
+
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "retool_sft" / "sample.jsonl"
+TRANSCRIPT = (
+    "Let me compute.\n<code>\n```python\nprint(6 * 7)\n```\n</code>\n<interpreter>\n42\n</interpreter>\n"
+    "The program prints 42.\n<answer>\n\\boxed{42}\n</answer>"
+)
+
+
+def _row(content=TRANSCRIPT, **extra):
+    return {
+        "messages": [{"role": "user", "content": "What is 6*7?"}, {"role": "assistant", "content": content}],
+        **extra,
+    }
+
+
+def test_transcript_masks_align_with_the_segments(tiny_tokenizer):
+    messages = _row()["messages"]
+    ids, mask = tokenize_transcript(tiny_tokenizer, messages)
+    prompt = protocol.encode_prompt(tiny_tokenizer, messages[:1])
+    assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])
+    # reading the ids back segment by segment gives the text of each segment, masked as its kind
+    position = len(prompt)
+    for segment in protocol.split_transcript(TRANSCRIPT):
+        n = len(protocol.encode_segment(tiny_tokenizer, segment.text))
+        assert tiny_tokenizer.decode(ids[position : position + n]) == segment.text
+        assert set(mask[position : position + n]) == {int(segment.kind == "model")}
+        position += n
+    assert ids[position:] == [tiny_tokenizer.eos_token_id] and mask[position:] == [1]
+    trained = tiny_tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=True)
+    assert "<interpreter>" not in trained and "42\n</interpreter>" not in trained
+
+
+def test_sft_ids_equal_the_rl_episode_ids(tiny_tokenizer):
+    """A transcript of an episode tokenizes to the episode's own ids (plus the trained EOS)."""
+    import asyncio
+
+    from sandbox.client import InProcessClient
+    from stare_agent.agent import AgentConfig, Sample, run_episode
+
+    turns = [TRANSCRIPT[: TRANSCRIPT.index("</code>") + 7], TRANSCRIPT[TRANSCRIPT.index("The program") :]]
+
+    async def generate(ids, max_new_tokens):
+        return Sample(*(lambda t: (t, [0.0] * len(t)))(protocol.encode_segment(tiny_tokenizer, turns.pop(0))), "stop")
+
+    async def episode():
+        async with InProcessClient() as client:
+            problem = Problem(id="x", problem="What is 6*7?", answer="42", source="t")
+            return await run_episode(
+                problem,
+                tokenizer=tiny_tokenizer,
+                generate=generate,
+                client=client,
+                config=AgentConfig(system_prompt=None),
+            )
+
+    result = asyncio.run(episode())
+    assert result.reward == 1.0
+    ids, mask = tokenize_transcript(tiny_tokenizer, _row()["messages"])
+    assert ids == result.token_ids + [tiny_tokenizer.eos_token_id]
+    assert mask == result.action_mask + [1]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".json"])
+def test_load_sft_from_each_format(tiny_tokenizer, tmp_path, suffix):
+    rows = [_row(id="a"), _row(content="Just <answer>\n\\boxed{42}\n</answer>")]
+    path = tmp_path / f"sft{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        write_records(path, rows)
+    examples, report = load_sft(path, tiny_tokenizer, max_tokens=4096)
+    assert [e.id for e in examples] == ["a", "sft-1"] and report.rows == 2 and not report.dropped
+    assert examples[0].input_ids == tokenize_transcript(tiny_tokenizer, rows[0]["messages"])[0]
+    assert examples[0].where.startswith(str(path))
+
+
+def test_the_shipped_sample_set_loads(tiny_tokenizer):
+    examples, report = load_sft(SAMPLE, tiny_tokenizer, max_tokens=4096)
+    assert len(examples) == 64 and report.truncated == 0 and not report.dropped
+    assert all(sum(e.loss_mask) > 0 and len(e.input_ids) == len(e.loss_mask) for e in examples)
+
+
+def test_truncation_policies(tiny_tokenizer, tmp_path):
+    path = write_records(tmp_path / "long.jsonl", [_row(), _row(content="short <answer>\\boxed{42}</answer>")])
+    full = len(tokenize_transcript(tiny_tokenizer, _row()["messages"])[0])
+    prompt = len(protocol.encode_prompt(tiny_tokenizer, _row()["messages"][:1]))
+    limit = full - 5
+    examples, report = load_sft(path, tiny_tokenizer, max_tokens=limit)
+    assert report.truncated == 1 and examples[0].truncated and len(examples[0].input_ids) == limit
+    examples, report = load_sft(path, tiny_tokenizer, max_tokens=limit, truncation="drop")
+    assert len(examples) == 1 and report.dropped == [f"{path}:1: {full} tokens > max_tokens={limit}"]
+    with pytest.raises(DataError, match=r"long\.jsonl:1: .* tokens > max_tokens"):
+        load_sft(path, tiny_tokenizer, max_tokens=limit, truncation="error")
+    # a prompt that fills the budget leaves nothing to train on: left out, and counted
+    examples, report = load_sft(path, tiny_tokenizer, max_tokens=prompt)
+    assert examples == [] and len(report.dropped) == 2 and "prompt fills it" in report.dropped[0]
+    with pytest.raises(ValueError, match="truncation must be one of right, drop, error"):
+        load_sft(path, tiny_tokenizer, max_tokens=10, truncation="left")
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"text": "x"}, r"bad\.jsonl:1: missing field 'messages'"),
+        ({"messages": "hi"}, r"field 'messages' must be a list"),
+        ({"messages": [{"role": "user"}]}, r"messages\[0\] must be an object with 'role' and 'content'"),
+        (
+            {"messages": [{"role": "bot", "content": "x"}]},
+            r"messages\[0\]\.role must be one of system, user, assistant",
+        ),
+        ({"messages": [{"role": "user", "content": 3}]}, r"messages\[0\]\.content must be a string"),
+        ({"messages": [{"role": "user", "content": "q"}]}, r"one assistant message last; got roles \['user'\]"),
+        (_row(content="a <interpreter>\n1\n"), r"bad\.jsonl:1: field 'messages': assistant content: unclosed"),
+    ],
+)
+def test_bad_sft_rows_are_named(tiny_tokenizer, tmp_path, row, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=message):
+        load_sft(path, tiny_tokenizer, max_tokens=100)
+
+
+def test_parquet_rows_are_named_in_errors(tmp_path):
+    path = write_records(
+        tmp_path / "set.parquet", [{"problem": "1+1", "answer": "2"}, {"problem": "2+2", "answer": None}]
+    )
+    with pytest.raises(DataError, match=r"set\.parquet: row 1: missing field 'answer'"):
+        load_problems(path)
+    not_parquet = tmp_path / "fake.parquet"
+    not_parquet.write_text("hello")
+    with pytest.raises(DataError, match=r"cannot read .*fake\.parquet as parquet"):
+        load_problems(not_parquet)
+    with pytest.raises(DataError, match=r"must end in \.jsonl or \.parquet"):
+        write_records(tmp_path / "x.csv", [])

@@ -118,3 +118,34 @@ def test_exhausted_family_says_so():
         ValueError, match="could not draw a new test problem of family 'digit_sum_pow' at difficulty 1"
     ):
         generate_tasks(1000, split="test", families=["digit_sum_pow"], difficulty=1)
+
+
+def test_sft_transcripts_hold_real_sandbox_output():
+    import asyncio
+
+    from sandbox.client import InProcessClient
+    from sandbox.kernels import PoolSettings
+    from stare_agent import protocol
+    from stare_agent.reward import score
+    from stare_agent.tasks import make_sft_rows
+
+    problems = generate_tasks(len(FAMILIES), seed=3, difficulty=2)
+
+    async def make():
+        async with InProcessClient(PoolSettings(pool_size=2)) as client:
+            return await make_sft_rows(problems, client, seed=1, error_fraction=0.5)
+
+    rows = asyncio.run(make())
+    assert [row["id"] for row in rows] == [p.id for p in problems]
+    typos = 0
+    for row, problem in zip(rows, problems, strict=True):
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["system", "user", "assistant"] and row["messages"][1]["content"] == problem.problem
+        text = row["messages"][2]["content"]
+        observations = [s.text for s in protocol.split_transcript(text) if s.kind == "observation"]
+        assert observations[-1] == protocol.observation(problem.answer)  # the last call printed the answer
+        if len(observations) == 2:
+            typos += 1
+            assert observations[0] == protocol.observation("NameError: name 'reslt' is not defined")
+        assert score(text, problem.answer) == 1.0 and "solution_code" not in row["meta"]
+    assert 0 < typos < len(rows)
