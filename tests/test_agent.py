@@ -278,3 +278,19 @@ def test_lock_step_batch_runs_a_turns_calls_concurrently(tiny_tokenizer):
     assert [r.problem_id for r in results] == ["p0", "p1", "p2", "p3"]
     assert [r.reward for r in results] == [0.0, 1.0, 0.0, 1.0]
     assert [r.turns[0].output for r in results] == ["0", "1", "2", "3"]
+
+
+def test_stop_string_inside_a_token_keeps_the_sampled_ids(tiny_tokenizer):
+    """The engine stopped on a token that decodes to `</code>` plus more: the ids stay, the code still runs."""
+    script = Scripted(tiny_tokenizer, [CALL_1 + "\n\n", ANSWER])
+    script_finish = Scripted.sample
+
+    def sample(self, ids, max_new_tokens):
+        out = script_finish(self, ids, max_new_tokens)
+        return Sample(out.token_ids, out.logprobs, "stop")
+
+    script.sample = sample.__get__(script)
+    result = run(with_client(lambda c: run_episode(PROBLEM, tokenizer=tiny_tokenizer, generate=script, client=c)))
+    assert result.turns[0].output == "2" and result.turns[0].text == CALL_1 + "\n\n"
+    first = script.samples[0].token_ids
+    assert result.token_ids[result.prompt_len : result.prompt_len + len(first)] == first
