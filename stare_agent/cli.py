@@ -1,7 +1,7 @@
 """`stare-agent` command line: one subcommand per pipeline stage.
 
 Each command takes `--config FILE` (YAML) and `section.key=value` overrides; the resolved config is
-written into the run directory. Commands that are not built yet say so and exit with status 2.
+written into the run directory.
 """
 
 from __future__ import annotations
@@ -12,20 +12,26 @@ from collections.abc import Callable, Sequence
 
 import yaml
 
-from stare_agent.config import ConfigError, SimulateConfig, load_config, to_dict
+from stare_agent.config import (
+    ConfigError,
+    EvalConfig,
+    QuickstartConfig,
+    RLConfig,
+    SFTConfig,
+    SimulateConfig,
+    load_config,
+    to_dict,
+)
 from stare_agent.data import DataError
 
-# Commands of the pipeline that this version does not provide yet, and what they will do.
-NOT_BUILT = {
-    "sft": "cold-start SFT on ReTool-style transcripts",
-    "rl": "multi-turn RL with GRPO and STARE",
-    "eval": "tool-integrated evaluation on math benchmarks",
-    "quickstart": "the end-to-end CPU quickstart (tiny model, SFT, RL, eval)",
-    "plot": "redraw a run's plots from its metrics",
-}
-
 # Commands that take a config: name -> root config class.
-CONFIGS: dict[str, type] = {"simulate": SimulateConfig}
+CONFIGS: dict[str, type] = {
+    "simulate": SimulateConfig,
+    "sft": SFTConfig,
+    "rl": RLConfig,
+    "eval": EvalConfig,
+    "quickstart": QuickstartConfig,
+}
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="STARE dynamics on a toy task: GRPO vs STARE entropy curves")
     _add_config_args(simulate)
 
+    sft = sub.add_parser("sft", help="cold-start SFT on tool-use transcripts (masked next-token loss)")
+    _add_config_args(sft)
+    rl = sub.add_parser("rl", help="multi-turn RL: GRPO-ds with STARE (stare.enabled=false for plain GRPO-ds)")
+    _add_config_args(rl)
+    evaluate = sub.add_parser("eval", help="tool-integrated evaluation: avg@k and pass@k per benchmark")
+    _add_config_args(evaluate)
+    quickstart = sub.add_parser(
+        "quickstart", help="tiny model, synthetic data, SFT, GRPO-ds and STARE, eval, plots (CPU, ~15 min)"
+    )
+    _add_config_args(quickstart)
+    plot = sub.add_parser("plot", help="redraw the plots of an RL run or a quickstart folder from its metrics")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("--target-entropy", type=float, default=None, help="H_tgt line (default: from config.yaml)")
+
     show = sub.add_parser("config", help="print the resolved config of a command as YAML")
     show.add_argument("for_command", choices=sorted(CONFIGS), metavar="COMMAND", help=", ".join(sorted(CONFIGS)))
     _add_config_args(show)
@@ -47,8 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("sandbox", help="the Python execution sandbox service (`stare-agent sandbox serve --help`)")
     _add_data_parser(sub)
 
-    for name, what in NOT_BUILT.items():
-        sub.add_parser(name, help=f"{what} (not available yet)")
     return parser
 
 
@@ -121,6 +139,45 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from stare_agent.backends.local import sft
+
+    sft.run(load_config(SFTConfig, args.config, args.overrides))
+    return 0
+
+
+def _rl(args: argparse.Namespace) -> int:
+    from stare_agent.backends.local import rl
+
+    rl.run(load_config(RLConfig, args.config, args.overrides))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from stare_agent.backends.local import evaluate
+
+    evaluate.run(load_config(EvalConfig, args.config, args.overrides))
+    return 0
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    from stare_agent.backends.local import quickstart
+
+    quickstart.run(load_config(QuickstartConfig, args.config, args.overrides))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from stare_agent import plots
+
+    try:
+        written = plots.main(args.run_dir, args.target_entropy)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    print("\n".join(str(p) for p in written))
+    return 0
+
+
 def _show_config(args: argparse.Namespace) -> int:
     config = load_config(CONFIGS[args.for_command], args.config, args.overrides)
     print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
@@ -131,6 +188,11 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": _simulate,
     "config": _show_config,
     "data": _data,
+    "sft": _sft,
+    "rl": _rl,
+    "eval": _eval,
+    "quickstart": _quickstart,
+    "plot": _plot,
 }
 
 
@@ -140,9 +202,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sandbox.__main__ import main as sandbox_main
 
         return sandbox_main(argv[1:])
-    if argv and argv[0] in NOT_BUILT:
-        print(f"stare-agent {argv[0]}: not available yet in this version ({NOT_BUILT[argv[0]]}).", file=sys.stderr)
-        return 2
     parser = build_parser()
     # Overrides are the leftover `key=value` words, so they may stand before or after --config.
     args, extra = parser.parse_known_args(argv)

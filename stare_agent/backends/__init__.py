@@ -1,0 +1,1 @@
+"""Training backends: local (single process) and openrlhf (clusters)."""

@@ -1,0 +1,250 @@
+"""What the local SFT and RL loops share: model loading, the optimizer and its schedule, checkpoints,
+random state, and the metrics log.
+
+Checkpoints are written to a temporary folder and renamed into place, and `latest` is replaced
+atomically afterwards, so a process killed mid-save leaves the last good checkpoint intact (the
+unfinished folder is removed on the next start).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from stare_agent.config import ConfigError, ModelConfig, OptimConfig, SandboxConfig
+
+CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.pt"
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_model(config: ModelConfig, path: str | Path | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) from a local Hugging Face folder, on the configured device and dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path or config.path)
+    if not (folder / "config.json").exists():
+        raise ConfigError(
+            f"model.path {str(folder)!r} is not a Hugging Face model folder (no config.json); "
+            "build one with `stare-agent quickstart` or point it at a local download"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, config.dtype))
+    return model.to(pick_device(config.device)), tokenizer
+
+
+def make_client(config: SandboxConfig, concurrent_episodes: int = 0) -> Any:
+    """The sandbox client: a service at config.url, else kernels in this process (call `start()` first).
+
+    In-process, max_kernels is raised to at least concurrent_episodes + pool_size: in stateful mode every
+    live episode holds a kernel, and running out would turn into sandbox errors.
+    """
+    if config.url:
+        from sandbox.client import AsyncSandboxClient
+
+        return AsyncSandboxClient(config.url, config.token or os.environ.get("SANDBOX_TOKEN"))
+    from sandbox.client import InProcessClient
+    from sandbox.kernels import PoolSettings
+
+    max_kernels = max(config.max_kernels, concurrent_episodes + config.pool_size)
+    return InProcessClient(PoolSettings(pool_size=config.pool_size, max_kernels=max_kernels))
+
+
+def progress(total: int, desc: str, initial: int = 0, unit: str = "step") -> Any:
+    """A tqdm bar; redrawn at most every 30 s when the output is not a terminal (logs stay readable)."""
+    import sys
+
+    from tqdm import tqdm
+
+    interval = 0.2 if sys.stderr.isatty() else 30.0
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, mininterval=interval)
+
+
+def make_optimizer(model: torch.nn.Module, config: OptimConfig, total_steps: int):
+    """AdamW and a LambdaLR: linear warm-up to lr, then cosine/linear decay to min_lr_ratio * lr, or constant."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay
+    )
+
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.schedule == "constant":
+            return 1.0
+        span = max(total_steps - config.warmup_steps, 1)
+        progress = min((step - config.warmup_steps) / span, 1.0)
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if config.schedule == "cosine" else 1.0 - progress
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
+    """Clip (when max_grad_norm > 0), step, zero the gradients; returns the gradient norm before clipping."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def stream_indices(n: int, seed: int, start: int, count: int) -> list[int]:
+    """Items [start, start+count) of an endless stream of per-epoch permutations of range(n).
+
+    Each epoch's permutation is seeded by (seed, epoch), so a position in the data is one integer and
+    resuming from a checkpoint continues with exactly the items an uninterrupted run would take.
+    """
+    out, perms = [], {}
+    for j in range(start, start + count):
+        epoch = j // n
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        out.append(int(perms[epoch][j % n]))
+    return out
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, state: dict[str, Any]) -> Path:
+    """`run_dir/checkpoints/step-NNNNNN/`: the model and tokenizer in HF format plus trainer_state.pt.
+
+    Written under a temporary name, flushed, then renamed; `checkpoints/latest` (a text file naming the
+    folder) is replaced only after that, so it always names a complete checkpoint.
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the middle of ours
+    root = run_dir / CHECKPOINTS
+    final = root / f"step-{step:06d}"
+    partial = root / f".partial-{final.name}-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    torch.save(state, partial / TRAINER_STATE)
+    for path in partial.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    pointer = root / ".latest.tmp"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / "latest")
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = run_dir / CHECKPOINTS / "latest"
+    if not pointer.exists():
+        return None
+    return run_dir / CHECKPOINTS / pointer.read_text().strip()
+
+
+def clean_partial_checkpoints(run_dir: Path) -> None:
+    for leftover in (run_dir / CHECKPOINTS).glob(".partial-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def resolve_resume(resume: str, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from: '' = none, 'auto' = the run's latest (none yet is fine), else a folder."""
+    clean_partial_checkpoints(run_dir)
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(run_dir)
+    path = Path(resume)
+    if not (path / TRAINER_STATE).exists():
+        raise ConfigError(f"resume={resume!r} is not a checkpoint folder (no {TRAINER_STATE} in it)")
+    return path
+
+
+def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
+    return torch.load(checkpoint / TRAINER_STATE, weights_only=False)
+
+
+# --- metrics ------------------------------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """Per-step metrics to `metrics.jsonl` (one object per step) and to TensorBoard under `tb/`."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
+        self.path = run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():  # drop steps after the checkpoint: they are redone
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(f"{line}\n" for line in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=resume_step + 1 if resume_step is not None else None)
+        self.file = self.path.open("a")
+        self.started = time.time()
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        row = {"step": step, "time": round(time.time() - self.started, 3)}
+        row.update({k: _plain(v) for k, v in metrics.items()})
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self.tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        self.tb.close()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN; null means undefined this step
+    return value
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
