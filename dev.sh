@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (or reuse) the repo's virtual environment, then run the main job or the test suite.
-#   ./dev.sh main [key=value ...]   the main job (today: the STARE dynamics simulation)
+#   ./dev.sh main [key=value ...]   the main job: the CPU quickstart (stare-agent quickstart)
 #   ./dev.sh test [pytest args ...] lint + the whole test suite
 # Installs are skipped while pyproject.toml and this file are unchanged since the last install.
 set -euo pipefail
@@ -31,7 +31,7 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
     main)
-        exec "$venv/bin/stare-agent" simulate --config configs/simulate.yaml "$@"
+        exec "$venv/bin/stare-agent" quickstart "$@"
         ;;
     test)
         "$venv/bin/ruff" check .

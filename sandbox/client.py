@@ -201,11 +201,16 @@ class InProcessClient:
     For the single-process (local) backend. `await client.start()` (or `async with`) first.
     """
 
-    def __init__(self, settings: Any = None, *, max_sessions: int = 1024, session_idle_s: float = 3600.0):
+    def __init__(
+        self, settings: Any = None, *, max_sessions: int = 1024, session_idle_s: float = 3600.0, max_running: int = 8
+    ):
         from sandbox.kernels import KernelPool, PoolSettings, SessionStore
 
         self.pool = KernelPool(settings or PoolSettings())
         self.sessions = SessionStore(self.pool, max_sessions, session_idle_s)
+        # Stateless calls beyond this wait for a running one to finish (as the service's admission does):
+        # a burst of calls then reuses warm kernels instead of starting one kernel per call.
+        self._running = asyncio.Semaphore(max_running)
 
     async def start(self) -> InProcessClient:
         await self.pool.start()
@@ -228,7 +233,8 @@ class InProcessClient:
         started = time.perf_counter()
         try:
             if session_id is None:
-                return await run_stateless(self.pool, code, timeout)
+                async with self._running:
+                    return await run_stateless(self.pool, code, timeout)
             return await self.sessions.execute(session_id, code, timeout)
         except SandboxError as exc:  # as the HTTP service answers it
             elapsed = (time.perf_counter() - started) * 1000

@@ -388,8 +388,15 @@ class KernelPool:
     async def _start_kernel(self) -> Kernel:
         assert self._specs is not None and self.isolation is not None, "KernelPool.start() was not awaited"
         async with self._slot_freed:
-            if not self._free_slots:
-                raise SandboxError(f"all {self.settings.max_kernels} kernels are in use")
+            # All kernels busy: wait for one to be closed (a burst of calls queues instead of failing).
+            try:
+                await asyncio.wait_for(
+                    self._slot_freed.wait_for(lambda: bool(self._free_slots)), self.settings.startup_timeout_s
+                )
+            except asyncio.TimeoutError:
+                raise SandboxError(
+                    f"all {self.settings.max_kernels} kernels stayed in use for {self.settings.startup_timeout_s:g}s"
+                ) from None
             slot = self._free_slots.pop(0)
         uid = UID_BASE + slot if self.isolation.unprivileged_user else None
         scratch = make_scratch(self._root, uid)
