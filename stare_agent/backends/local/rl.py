@@ -333,6 +333,7 @@ class Trainer:
                     H=f"{metrics.get('stare/entropy_mean', float('nan')):.3f}",
                     W=f"{self.controller.w:.2f}",
                     tools=f"{metrics['rollout/tool_calls']:.1f}",
+                    refresh=False,
                 )
                 if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                     last = self.save()

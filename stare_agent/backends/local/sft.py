@@ -160,7 +160,7 @@ def run(config: SFTConfig) -> Path:
             shown = {"loss": f"{metrics['train/loss']:.3f}"}
             if "eval/loss" in metrics:
                 shown["eval"] = f"{metrics['eval/loss']:.3f}"
-            bar.set_postfix(shown)
+            bar.set_postfix(shown, refresh=False)
         if (config.save_every and step % config.save_every == 0) or step == total_steps:
             last = save()
     bar.close()
