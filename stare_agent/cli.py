@@ -24,14 +24,15 @@ from stare_agent.config import (
 )
 from stare_agent.data import DataError
 
-# Commands that take a config: name -> root config class.
-CONFIGS: dict[str, type] = {
-    "simulate": SimulateConfig,
-    "sft": SFTConfig,
-    "rl": RLConfig,
-    "eval": EvalConfig,
-    "quickstart": QuickstartConfig,
+# Commands that take a config: name -> (root config class, module whose run(config) executes it).
+COMMANDS: dict[str, tuple[type, str]] = {
+    "simulate": (SimulateConfig, "stare_agent.simulate"),
+    "sft": (SFTConfig, "stare_agent.backends.local.sft"),
+    "rl": (RLConfig, "stare_agent.backends.local.rl"),
+    "eval": (EvalConfig, "stare_agent.backends.local.evaluate"),
+    "quickstart": (QuickstartConfig, "stare_agent.backends.local.quickstart"),
 }
+CONFIGS: dict[str, type] = {name: config_class for name, (config_class, _) in COMMANDS.items()}
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -132,38 +133,12 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(args: argparse.Namespace) -> int:
-    from stare_agent import simulate
+def _run(args: argparse.Namespace) -> int:
+    """A pipeline command: load its config, then its module's run(config)."""
+    import importlib
 
-    simulate.run(load_config(SimulateConfig, args.config, args.overrides))
-    return 0
-
-
-def _sft(args: argparse.Namespace) -> int:
-    from stare_agent.backends.local import sft
-
-    sft.run(load_config(SFTConfig, args.config, args.overrides))
-    return 0
-
-
-def _rl(args: argparse.Namespace) -> int:
-    from stare_agent.backends.local import rl
-
-    rl.run(load_config(RLConfig, args.config, args.overrides))
-    return 0
-
-
-def _eval(args: argparse.Namespace) -> int:
-    from stare_agent.backends.local import evaluate
-
-    evaluate.run(load_config(EvalConfig, args.config, args.overrides))
-    return 0
-
-
-def _quickstart(args: argparse.Namespace) -> int:
-    from stare_agent.backends.local import quickstart
-
-    quickstart.run(load_config(QuickstartConfig, args.config, args.overrides))
+    config_class, module = COMMANDS[args.command]
+    importlib.import_module(module).run(load_config(config_class, args.config, args.overrides))
     return 0
 
 
@@ -185,13 +160,9 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "simulate": _simulate,
+    **{name: _run for name in COMMANDS},
     "config": _show_config,
     "data": _data,
-    "sft": _sft,
-    "rl": _rl,
-    "eval": _eval,
-    "quickstart": _quickstart,
     "plot": _plot,
 }
 

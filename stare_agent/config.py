@@ -140,7 +140,8 @@ class ModelConfig:
     """The model to start from: a local Hugging Face folder (never a hub name: nothing is downloaded)."""
 
     path: str = ""
-    """Folder with config.json, weights and the tokenizer (e.g. one made by `stare-agent quickstart`)."""
+    """Folder with config.json, weights and the tokenizer (e.g. one made by `stare-agent quickstart`), or a
+    .gguf file (dequantized on load; needs `pip install gguf accelerate`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype; keep float32 on CPU."""
     device: str = "auto"

@@ -34,19 +34,23 @@ def pick_device(name: str) -> torch.device:
 
 
 def load_model(config: ModelConfig, path: str | Path | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) from a local Hugging Face folder, on the configured device and dtype."""
+    """(model, tokenizer) from a local Hugging Face folder, or a .gguf file (dequantized by transformers; needs
+    the `gguf` and `accelerate` packages), on the configured device and dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = Path(path or config.path)
-    if not (folder / "config.json").exists():
+    target = Path(path or config.path)
+    folder, extra = target, {}
+    if target.suffix == ".gguf" and target.is_file():
+        folder, extra = target.parent, {"gguf_file": target.name}
+    elif not (target / "config.json").exists():
         raise ConfigError(
-            f"model.path {str(folder)!r} is not a Hugging Face model folder (no config.json); "
+            f"model.path {str(target)!r} is not a Hugging Face model folder (no config.json) or a .gguf file; "
             "build one with `stare-agent quickstart` or point it at a local download"
         )
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, config.dtype))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, config.dtype), **extra)
     return model.to(pick_device(config.device)), tokenizer
 
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from pathlib import Path
+from typing import Any
 
 from stare_agent.backends.local.common import load_model, make_client, seed_everything
 from stare_agent.backends.local.generation import HFGenerator
+from stare_agent.backends.local.vllm_generation import VLLMGenerator
+from stare_agent.backends.local.vllm_generation import available as vllm_available
 from stare_agent.config import ConfigError, EvalConfig, make_run_dir, save_config
 from stare_agent.data import Problem, load_benchmark, load_problems
 from stare_agent.eval import BenchmarkReport, evaluate, write_reports
@@ -26,14 +31,29 @@ def problem_sets(config: EvalConfig) -> dict[str, list[Problem]]:
     return sets
 
 
-def run(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport]:
-    """Evaluate; writes results.json, results.md, per-set JSON and sample transcripts into the run directory."""
-    run_dir = run_dir or make_run_dir(config.run, "eval")
-    save_config(config, run_dir)
-    seed_everything(config.run.seed)
-    sets = problem_sets(config)
-    model, tokenizer = load_model(config.model)
-    generator = HFGenerator(
+def make_generator(config: EvalConfig, model: Any, tokenizer: Any) -> HFGenerator | VLLMGenerator:
+    """The batch generator: vLLM when $STARE_GENERATOR is "vllm" and vllm is importable, else HFGenerator.
+
+    $STARE_GENERATOR is "hf" (the default when unset) or "vllm"; with "vllm" but no vllm installed, a warning
+    is printed and HFGenerator is used. vLLM loads the model folder itself (config.model.path and dtype).
+    """
+    choice = os.environ.get("STARE_GENERATOR", "hf").strip().lower() or "hf"
+    if choice not in ("hf", "vllm"):
+        raise ConfigError(f'STARE_GENERATOR must be "hf" or "vllm"; got {choice!r}')
+    if choice == "vllm" and not vllm_available():
+        print("eval: STARE_GENERATOR=vllm but vllm cannot be imported; falling back to HFGenerator", file=sys.stderr)
+    elif choice == "vllm":
+        print(f"eval: generating with vLLM ({config.model.path})")
+        return VLLMGenerator(
+            config.model.path,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            max_turn_tokens=config.max_turn_tokens,
+            seed=config.run.seed,
+            dtype=config.model.dtype,
+        )
+    print("eval: generating with HFGenerator")
+    return HFGenerator(
         model,
         tokenizer,
         temperature=config.temperature,
@@ -42,6 +62,16 @@ def run(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport
         max_batch_size=config.batch_size,
         seed=config.run.seed,
     )
+
+
+def run(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport]:
+    """Evaluate; writes results.json, results.md, per-set JSON and sample transcripts into the run directory."""
+    run_dir = run_dir or make_run_dir(config.run, "eval")
+    save_config(config, run_dir)
+    seed_everything(config.run.seed)
+    sets = problem_sets(config)
+    model, tokenizer = load_model(config.model)
+    generator = make_generator(config, model, tokenizer)
 
     async def all_sets() -> list[BenchmarkReport]:
         client = make_client(config.sandbox, config.batch_size if config.agent.tool_mode == "stateful" else 0)
