@@ -22,6 +22,7 @@ from pathlib import Path
 from stare_agent.backends.local import rl
 from stare_agent.backends.local.common import read_metrics
 from stare_agent.config import RLConfig, RunConfig, load_config
+from stare_agent.plots import smooth
 
 VARIANTS = {
     "grpo-ds": {"enabled": False},
@@ -109,11 +110,11 @@ def plot(runs: dict[str, dict[int, list[dict]]], path: Path, target: float) -> N
     for i, (variant, by_seed) in enumerate(runs.items()):
         for j, rows in enumerate(by_seed.values()):
             steps = [r["step"] for r in rows]
-            values = [r["stare/entropy_mean"] for r in rows]
-            ax.plot(steps, values, color=f"C{i}", alpha=0.8, linewidth=1.2, label=variant if j == 0 else None)
+            values = smooth([r["stare/entropy_mean"] for r in rows], 5)
+            ax.plot(steps, values, color=f"C{i}", alpha=0.8, linewidth=1.5, label=variant if j == 0 else None)
     ax.axhline(target, color="black", linestyle="--", linewidth=1, label="H_tgt")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("policy entropy (nats, exact, action tokens)")
+    ax.set_ylabel("policy entropy (nats; running mean of 5 steps)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

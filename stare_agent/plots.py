@@ -39,7 +39,8 @@ def find_runs(folder: str | Path) -> dict[str, list[dict[str, Any]]]:
     return runs
 
 
-def _smooth(values: Sequence[float], window: int) -> list[float]:
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Running mean over the last `window` finite values."""
     out, acc = [], []
     for v in values:
         acc.append(v)
@@ -54,9 +55,9 @@ def plot_runs(
     out_dir: str | Path,
     *,
     target_entropy: float | None = None,
-    smooth: int = 5,
+    window: int = 5,
 ) -> list[Path]:
-    """One PNG per curve in CURVES (raw values faint, a running mean of `smooth` steps solid)."""
+    """One PNG per curve in CURVES (raw values faint, a running mean of `window` steps solid)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,7 +75,7 @@ def plot_runs(
             steps, values = zip(*points, strict=True)
             color = f"C{i}"
             ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
-            ax.plot(steps, _smooth(values, smooth), color=color, linewidth=2, label=run)
+            ax.plot(steps, smooth(values, window), color=color, linewidth=2, label=run)
         if key == "stare/entropy_mean" and target_entropy is not None:
             ax.axhline(target_entropy, color="black", linestyle="--", linewidth=1, label="H_tgt")
         ax.set_xlabel("RL step")
