@@ -34,11 +34,12 @@ STARE settings were chosen by measurement on this task, not copied from the pape
 (docs/quickstart.md has the measurements):
 - op O1 with the batch gate: the paper's main variant.
 - P = 0.02, not 0.1: after SFT the tiny model is confident (entropy 0.1-0.17 nats on its own
-  rollouts) and most positive-advantage tokens have low surprisal. At P = 0.1 only 10-18% of
-  the selected high+ tokens were above their critical surprisal s*, so Gamma < 0 and amplifying
-  them would lower entropy; at P = 0.02 the proxy precision was 0.4-0.7 and Gamma > 0.
-- W = 3: the critical weight W* = 1 + Lambda/Gamma measured at P = 0.02 ranged over about
-  1.4-5 (median about 2), far above the paper's ~1.1 because responses are short; W must
+  rollouts) and most positive-advantage tokens have low surprisal. At P = 0.1 only 8-24% of
+  the selected high+ tokens were above their critical surprisal s*, Gamma < 0 on every step,
+  and amplifying them would lower entropy; at P = 0.02 the proxy precision was 0.5-0.97 and
+  Gamma > 0.
+- W = 3: the critical weight W* = 1 + Lambda/Gamma measured at P = 0.02 had a median of 3-4
+  (range about 1.7-20), far above the paper's ~1.1 because responses are short; W must
   exceed W* for the gate to push entropy up.
 - H_tgt = 0.14 nats: where rollouts of the SFT model sit during the first RL steps (0.136, mean
   of steps 1-5 of a measured GRPO-ds run); GRPO-ds then drifts lower (0.115 over the last quarter
