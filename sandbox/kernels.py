@@ -116,6 +116,10 @@ class SandboxError(RuntimeError):
     """The service could not run the code (as opposed to the code failing)."""
 
 
+class _NoFreeSlot(SandboxError):
+    """Every kernel slot is taken (acquire then waits for a kernel to come back)."""
+
+
 class _Capture:
     """Keeps the first and last `limit // 2` characters of a stream, so huge output costs bounded memory."""
 
@@ -309,17 +313,36 @@ class KernelPool:
         return self.settings.max_kernels - len(self._free_slots)
 
     async def acquire(self) -> Kernel:
-        """A warm kernel: from the pool if one is ready (or about to be, after a reset), else started now."""
+        """A warm kernel: from the pool if one is ready (or about to be, after a reset), else started now.
+
+        When every kernel already exists (more concurrent calls than max_kernels), wait for one to be given
+        back or for a slot to free up, up to startup_timeout_s: a burst of calls queues instead of failing.
+        """
         self._refill()
-        try:
-            kernel = self._ready.get_nowait()
-        except asyncio.QueueEmpty:
-            kernel = None
-            if self._resetting:  # a reset takes milliseconds, a kernel start half a second
-                with contextlib.suppress(asyncio.TimeoutError):
-                    kernel = await asyncio.wait_for(self._ready.get(), timeout=1.0)
-            if kernel is None:
-                kernel = await self._start_kernel()
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        waited = False  # a reset takes milliseconds, a kernel start half a second: wait for a reset once
+        while True:
+            try:
+                kernel = self._ready.get_nowait()
+                break
+            except asyncio.QueueEmpty:
+                pass
+            if self._free_slots and (not self._resetting or waited):
+                try:
+                    kernel = await self._start_kernel()
+                    break
+                except _NoFreeSlot:
+                    pass  # another caller took the last slot first
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SandboxError(
+                    f"all {self.settings.max_kernels} kernels stayed busy for {self.settings.startup_timeout_s:g}s"
+                )
+            try:
+                kernel = await asyncio.wait_for(self._ready.get(), timeout=min(1.0, remaining))
+                break
+            except asyncio.TimeoutError:
+                waited = True
         self._refill()
         return kernel
 
@@ -388,15 +411,8 @@ class KernelPool:
     async def _start_kernel(self) -> Kernel:
         assert self._specs is not None and self.isolation is not None, "KernelPool.start() was not awaited"
         async with self._slot_freed:
-            # All kernels busy: wait for one to be closed (a burst of calls queues instead of failing).
-            try:
-                await asyncio.wait_for(
-                    self._slot_freed.wait_for(lambda: bool(self._free_slots)), self.settings.startup_timeout_s
-                )
-            except asyncio.TimeoutError:
-                raise SandboxError(
-                    f"all {self.settings.max_kernels} kernels stayed in use for {self.settings.startup_timeout_s:g}s"
-                ) from None
+            if not self._free_slots:
+                raise _NoFreeSlot(f"all {self.settings.max_kernels} kernels are in use")
             slot = self._free_slots.pop(0)
         uid = UID_BASE + slot if self.isolation.unprivileged_user else None
         scratch = make_scratch(self._root, uid)

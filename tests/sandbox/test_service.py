@@ -391,3 +391,16 @@ def test_in_process_client_same_interface():
                 await client.execute("1", sid)
 
     asyncio.run(go())
+
+
+def test_in_process_burst_of_stateless_calls_queues_instead_of_failing():
+    """More concurrent calls than kernels may exist: they wait for a kernel instead of failing."""
+
+    async def go() -> list:
+        settings = PoolSettings(pool_size=1, max_kernels=2, default_timeout_s=5)
+        async with InProcessClient(settings, max_running=6) as client:
+            return await asyncio.gather(*(client.execute(f"print({i} * 2)") for i in range(12)))
+
+    results = asyncio.run(go())
+    assert [r.status for r in results] == ["ok"] * 12
+    assert [r.stdout for r in results] == [f"{i * 2}\n" for i in range(12)]
