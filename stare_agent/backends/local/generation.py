@@ -43,6 +43,24 @@ def nucleus_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def turn_limits(
+    prompts: list[list[int]], max_new_tokens: list[int], max_turn_tokens: int | None, context_len: int | None
+) -> list[int]:
+    """Checked arguments of a batch call; how many ids each row may generate: its budget, the turn limit and
+    the room left in the context (0 or less: the prompt already fills it)."""
+    if len(prompts) != len(max_new_tokens):
+        raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens; give one per prompt")
+    limits = []
+    for i, (ids, budget) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if budget < 1:
+            raise ValueError(f"max_new_tokens[{i}] must be >= 1; got {budget}")
+        limit = min(budget, max_turn_tokens or budget)
+        limits.append(limit if context_len is None else min(limit, context_len - len(ids)))
+    return limits
+
+
 @dataclass
 class GenerationStats:
     """Cumulative counters of one generator, for tokens/s reports."""
@@ -133,14 +151,7 @@ class HFGenerator:
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
-        if len(prompts) != len(max_new_tokens):
-            raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens; give one per prompt")
-        for i, (ids, budget) in enumerate(zip(prompts, max_new_tokens, strict=True)):
-            if not ids:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if budget < 1:
-                raise ValueError(f"max_new_tokens[{i}] must be >= 1; got {budget}")
-        limits = [self._limit(ids, budget) for ids, budget in zip(prompts, max_new_tokens, strict=True)]
+        limits = turn_limits(prompts, max_new_tokens, self.max_turn_tokens, self.max_positions)
         samples: list[Sample | None] = [None if limit > 0 else Sample([], [], "length") for limit in limits]
         todo = [i for i, limit in enumerate(limits) if limit > 0]
 
@@ -158,13 +169,6 @@ class HFGenerator:
             self.model.train(was_training)
             self.stats.seconds += time.perf_counter() - started
         return samples
-
-    def _limit(self, prompt: list[int], max_new_tokens: int) -> int:
-        """How many ids this row may generate: its budget, the turn limit, and the room left in the context."""
-        limit = min(max_new_tokens, self.max_turn_tokens or max_new_tokens)
-        if self.max_positions is not None:
-            limit = min(limit, self.max_positions - len(prompt))
-        return limit
 
     def _generate(self, prompts: list[list[int]], limits: list[int]) -> list[Sample]:
         """One chunk: left-padded prefill, then one id per live row per step; finished rows leave the batch."""

@@ -48,12 +48,15 @@ STARE settings were chosen by measurement on this task, not copied from the pape
 """
 
 
-def _window_mean(rows: list[dict[str, Any]], key: str, fraction: float = 0.25) -> float | None:
+def _window(rows: list[dict[str, Any]], key: str, fraction: float = 0.25) -> list[float]:
+    """The logged values of `key` in the last `fraction` of the steps that have it."""
     values = [r[key] for r in rows if r.get(key) is not None]
-    if not values:
-        return None
-    tail = values[-max(1, int(len(values) * fraction)) :]
-    return sum(tail) / len(tail)
+    return values[-max(1, int(len(values) * fraction)) :] if values else []
+
+
+def _window_mean(rows: list[dict[str, Any]], key: str, fraction: float = 0.25) -> float | None:
+    tail = _window(rows, key, fraction)
+    return sum(tail) / len(tail) if tail else None
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -184,14 +187,8 @@ def _summary(config, runs, results, timings, models, figures, stare_name) -> dic
         rl_runs[name] = {
             "entropy_first": next((r["stare/entropy_mean"] for r in rows if r.get("stare/entropy_mean")), None),
             "entropy_final_window_mean": _window_mean(rows, "stare/entropy_mean"),
-            "entropy_final_window_min": min(
-                (r["stare/entropy_mean"] for r in rows[-max(1, len(rows) // 4) :] if r.get("stare/entropy_mean")),
-                default=None,
-            ),
-            "entropy_final_window_max": max(
-                (r["stare/entropy_mean"] for r in rows[-max(1, len(rows) // 4) :] if r.get("stare/entropy_mean")),
-                default=None,
-            ),
+            "entropy_final_window_min": min(_window(rows, "stare/entropy_mean"), default=None),
+            "entropy_final_window_max": max(_window(rows, "stare/entropy_mean"), default=None),
             "rollout_accuracy_final_window": _window_mean(rows, "rollout/accuracy"),
             "critical_weight_median": _median(rows, "theory/critical_weight"),
             "proxy_precision_median": _median(rows, "theory/proxy_precision"),

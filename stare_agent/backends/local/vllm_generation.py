@@ -45,7 +45,7 @@ from typing import Any
 
 from stare_agent import protocol
 from stare_agent.agent import GenerationEnd, Sample
-from stare_agent.backends.local.generation import GenerationStats
+from stare_agent.backends.local.generation import GenerationStats, turn_limits
 
 
 def available() -> bool:
@@ -129,18 +129,11 @@ class VLLMGenerator:
         return self._llm
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
-        if len(prompts) != len(max_new_tokens):
-            raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens; give one per prompt")
-        for i, (ids, budget) in enumerate(zip(prompts, max_new_tokens, strict=True)):
-            if not ids:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if budget < 1:
-                raise ValueError(f"max_new_tokens[{i}] must be >= 1; got {budget}")
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = self.llm
-        limits = [self._limit(ids, budget) for ids, budget in zip(prompts, max_new_tokens, strict=True)]
+        llm = self.llm  # started first: it knows the context length the limits need
+        limits = turn_limits(prompts, max_new_tokens, self.max_turn_tokens, self.max_model_len)
         samples: list[Sample | None] = [None if limit > 0 else Sample([], [], "length") for limit in limits]
         todo = [i for i, limit in enumerate(limits) if limit > 0]
         if not todo:
@@ -168,13 +161,6 @@ class VLLMGenerator:
             samples[i] = _sample(output.outputs[0])
             self.stats.generated_tokens += len(samples[i].token_ids)
         return samples
-
-    def _limit(self, prompt: list[int], max_new_tokens: int) -> int:
-        """How many ids this row may generate: its budget, the turn limit, and the room left in the context."""
-        limit = min(max_new_tokens, self.max_turn_tokens or max_new_tokens)
-        if self.max_model_len is not None:
-            limit = min(limit, self.max_model_len - len(prompt))
-        return limit
 
 
 def _on_cpu() -> bool:
