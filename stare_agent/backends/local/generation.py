@@ -43,21 +43,26 @@ def nucleus_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def turn_limits(
-    prompts: list[list[int]], max_new_tokens: list[int], max_turn_tokens: int | None, context_len: int | None
-) -> list[int]:
-    """Checked arguments of a batch call; how many ids each row may generate: its budget, the turn limit and
-    the room left in the context (0 or less: the prompt already fills it)."""
+def check_batch(prompts: list[list[int]], max_new_tokens: list[int]) -> None:
+    """A batch call's arguments: one budget >= 1 per non-empty prompt; ValueError naming the row otherwise."""
     if len(prompts) != len(max_new_tokens):
         raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens; give one per prompt")
-    limits = []
     for i, (ids, budget) in enumerate(zip(prompts, max_new_tokens, strict=True)):
         if not ids:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         if budget < 1:
             raise ValueError(f"max_new_tokens[{i}] must be >= 1; got {budget}")
-        limit = min(budget, max_turn_tokens or budget)
-        limits.append(limit if context_len is None else min(limit, context_len - len(ids)))
+
+
+def turn_limits(
+    prompts: list[list[int]], max_new_tokens: list[int], max_turn_tokens: int | None, context_len: int | None
+) -> list[int]:
+    """How many ids each row may generate: its budget, the turn limit and the room left in the context
+    (0 or less: the prompt already fills it). Checks the arguments first."""
+    check_batch(prompts, max_new_tokens)
+    limits = [min(budget, max_turn_tokens or budget) for budget in max_new_tokens]
+    if context_len is not None:
+        limits = [min(limit, context_len - len(ids)) for limit, ids in zip(limits, prompts, strict=True)]
     return limits
 
 

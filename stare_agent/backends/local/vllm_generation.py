@@ -45,7 +45,7 @@ from typing import Any
 
 from stare_agent import protocol
 from stare_agent.agent import GenerationEnd, Sample
-from stare_agent.backends.local.generation import GenerationStats, turn_limits
+from stare_agent.backends.local.generation import GenerationStats, check_batch, turn_limits
 
 
 def available() -> bool:
@@ -129,10 +129,11 @@ class VLLMGenerator:
         return self._llm
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
+        check_batch(prompts, max_new_tokens)  # before the engine is built: bad calls cost nothing
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = self.llm  # started first: it knows the context length the limits need
+        llm = self.llm  # the engine knows the context length the limits need
         limits = turn_limits(prompts, max_new_tokens, self.max_turn_tokens, self.max_model_len)
         samples: list[Sample | None] = [None if limit > 0 else Sample([], [], "length") for limit in limits]
         todo = [i for i, limit in enumerate(limits) if limit > 0]
