@@ -333,7 +333,7 @@ class EvalConfig:
     problem_field: str = "problem"
     answer_field: str = "answer"
     data_dir: str = ""
-    """Folder of the benchmark files; empty = $STARE_BENCHMARKS_DIR or ../shared/benchmarks."""
+    """Folder of the benchmark files; empty = $STARE_BENCHMARKS_DIR, else the repository's data/benchmarks."""
     k: int = 4
     """Samples per problem unless k_per_benchmark names the benchmark."""
     k_per_benchmark: dict[str, int] = field(default_factory=dict)

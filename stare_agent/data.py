@@ -3,8 +3,9 @@
 Records are read from .jsonl, a .json array, or .parquet; every error names the file, the line or
 row, and the field. SFT transcripts are tokenized segment by segment exactly as the agent builds
 RL sequences (protocol.split_transcript / encode_segment), so SFT trains on the ids RL will show.
-Each benchmark keeps its original schema (see shared/benchmarks/README.md); the loaders map it to
-`Problem`. Files are read from a local folder: nothing is fetched from a model hub.
+The six benchmark files ship with the project in data/benchmarks (schemas, sources and licenses in
+data/benchmarks/README.md); each keeps its original schema and the loaders map it to `Problem`.
+Files are read from a local folder: nothing is fetched from a model hub.
 """
 
 from __future__ import annotations
@@ -175,20 +176,49 @@ BENCHMARKS = {
 }
 
 
-def benchmark_dir() -> Path:
-    """$STARE_BENCHMARKS_DIR, else the project's shared/benchmarks beside the repository."""
-    env = os.environ.get("STARE_BENCHMARKS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "benchmarks"
+DEFAULT_BENCHMARKS_DIR = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+"""The benchmark files shipped in the repository (data/benchmarks), found from this file's location.
+A wheel installed without the repository does not hold them: point STARE_BENCHMARKS_DIR at a copy."""
+
+BENCHMARKS_ENV = "STARE_BENCHMARKS_DIR"
+_HOW_TO_POINT = (
+    f"pass data_dir to load_benchmark, set eval data_dir in the config, or set {BENCHMARKS_ENV} to a folder "
+    "holding the benchmark files (the repository ships all six in data/benchmarks)"
+)
+
+
+def _resolve_benchmark_dir(data_dir: str | Path | None) -> tuple[Path, str]:
+    """(folder, where the choice came from): data_dir, else $STARE_BENCHMARKS_DIR, else the shipped folder."""
+    if data_dir is not None:
+        return Path(data_dir), "the data_dir argument"
+    env = os.environ.get(BENCHMARKS_ENV)
+    if env:
+        return Path(env), f"${BENCHMARKS_ENV}"
+    return DEFAULT_BENCHMARKS_DIR, "the default, the repository's data/benchmarks"
+
+
+def benchmark_dir(data_dir: str | Path | None = None) -> Path:
+    """Folder the benchmark files are read from: `data_dir` when given, else $STARE_BENCHMARKS_DIR when set
+    and not empty, else DEFAULT_BENCHMARKS_DIR (the repository's data/benchmarks)."""
+    return _resolve_benchmark_dir(data_dir)[0]
 
 
 def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[Problem]:
+    """One of BENCHMARKS as `Problem`s, read from `benchmark_dir(data_dir)`.
+
+    A missing folder or file raises DataError naming the path, where it came from, and how to point
+    at another folder.
+    """
     if name not in BENCHMARKS:
         raise DataError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     filename, loader = BENCHMARKS[name]
-    path = Path(data_dir) if data_dir is not None else benchmark_dir()
-    if not (path / filename).exists():
-        raise DataError(f"benchmark file {path / filename} not found (set STARE_BENCHMARKS_DIR or pass data_dir)")
-    return loader(path / filename)
+    folder, origin = _resolve_benchmark_dir(data_dir)
+    if not folder.is_dir():
+        raise DataError(f"benchmark folder {folder} (from {origin}) not found; {_HOW_TO_POINT}")
+    path = folder / filename
+    if not path.is_file():
+        raise DataError(f"benchmark file {path} (from {origin}) not found; {_HOW_TO_POINT}")
+    return loader(path)
 
 
 # --- SFT transcripts ----------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ import pytest
 from stare_agent import protocol
 from stare_agent.data import (
     BENCHMARKS,
+    DEFAULT_BENCHMARKS_DIR,
     DataError,
     Problem,
+    benchmark_dir,
     load_benchmark,
     load_problems,
     load_sft,
@@ -20,6 +22,44 @@ from stare_agent.data import (
 )
 
 SIZES = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva_math": 272, "olympiadbench": 675}
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "benchmarks"
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_benchmarks_ship_with_the_repository(name, monkeypatch):
+    # No argument and no environment variable: the files come from the repository's data/benchmarks.
+    monkeypatch.delenv("STARE_BENCHMARKS_DIR", raising=False)
+    assert benchmark_dir() == DEFAULT_BENCHMARKS_DIR == SHIPPED
+    assert (SHIPPED / BENCHMARKS[name][0]).is_file()
+    assert len(load_benchmark(name)) == SIZES[name]
+
+
+def test_benchmark_dir_precedence_argument_then_env_then_shipped(tmp_path, monkeypatch):
+    # A small copy (the first three AIME 2024 rows, one of them changed) shows which file was read.
+    rows = (SHIPPED / "aime24.jsonl").read_text(encoding="utf-8").splitlines()[:3]
+    first = json.loads(rows[0])
+    rows[0] = json.dumps({**first, "answer": "12345"})
+    env_dir, arg_dir = tmp_path / "env", tmp_path / "arg"
+    for folder, n in ((env_dir, 3), (arg_dir, 2)):
+        folder.mkdir()
+        (folder / "aime24.jsonl").write_text("\n".join(rows[:n]) + "\n", encoding="utf-8")
+
+    monkeypatch.setenv("STARE_BENCHMARKS_DIR", str(env_dir))
+    assert benchmark_dir() == env_dir
+    from_env = load_benchmark("aime24")
+    assert len(from_env) == 3 and from_env[0].answer == "12345" and from_env[0].id == str(first["id"])
+    assert len(load_benchmark("aime24", arg_dir)) == 2  # the argument beats the variable
+    monkeypatch.setenv("STARE_BENCHMARKS_DIR", "")  # empty = unset
+    assert benchmark_dir() == SHIPPED and len(load_benchmark("aime24")) == 30
+
+
+def test_missing_benchmark_folder_or_file_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("STARE_BENCHMARKS_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(DataError, match=r"benchmark folder .*nowhere \(from \$STARE_BENCHMARKS_DIR\) not found") as e:
+        load_benchmark("math500")
+    assert "data_dir" in str(e.value) and "data/benchmarks" in str(e.value)
+    with pytest.raises(DataError, match=r"benchmark file .*math500\.json \(from the data_dir argument\) not found"):
+        load_benchmark("math500", tmp_path)
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
