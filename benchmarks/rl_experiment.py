@@ -1,11 +1,14 @@
 """GRPO-ds vs STARE on the synthetic tool task, from a quickstart's SFT checkpoint.
 
 Runs every variant for every seed with the quickstart's own RL config (same data, agent, rollout and
-optimizer), then writes a table (final-window entropy and accuracy, W*, proxy precision) and one
-entropy figure into OUT. Already finished runs are reused, so the script can be resumed.
+optimizer), then prints and writes into OUT (table.md, summary.json): the per-run table (entropy, accuracy,
+W*, proxy precision, gate, steps per theory/regime), the cross-seed mean and 95% t-interval of each
+variant's final-window entropy and accuracy, with --blocks N the mean entropy / rollout accuracy per block of
+N steps; and one entropy figure. Already finished runs are reused, so rerunning the command on a finished
+OUT only prints the tables.
 
     python benchmarks/rl_experiment.py runs/quickstart-XXXX --out docs/experiments/quickstart \\
-        --seeds 0 1 2 --variants grpo-ds stare-O1 stare-C2 [--steps 36] [key=value ...]
+        --seeds 0 1 2 --variants grpo-ds stare-O1 stare-C2 [--steps 36] [--blocks 10] [key=value ...]
 
 Variants: grpo-ds (stare.enabled=false), stare-O1, stare-C2 (the quickstart's STARE settings with
 op O1 or C2). Extra key=value words are RL config overrides applied to every run.
@@ -15,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
 from stare_agent.backends.local import rl
 from stare_agent.backends.local.common import read_metrics
+from stare_agent.backends.local.quickstart import REGIMES, mean, run_summary
 from stare_agent.config import RLConfig, RunConfig, load_config
 from stare_agent.plots import smooth
 
@@ -30,15 +35,114 @@ VARIANTS = {
     "stare-C2": {"enabled": True, "op": "C2"},
 }
 
-
-def window(rows: list[dict], key: str, fraction: float = 0.25) -> float:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    tail = values[-max(1, int(len(values) * fraction)) :]
-    return sum(tail) / len(tail)
+Runs = dict[str, dict[int, list[dict]]]  # variant -> seed -> metrics rows
 
 
-def median(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows if r.get(key) is not None)
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def run_table(runs: Runs) -> list[str]:
+    """One Markdown row per variant and seed. W* is a median over the steps where it is defined (n/steps)."""
+    lines = [
+        "| variant | seed | entropy, first 5 steps | final-window entropy | final-window rollout accuracy "
+        "| median W* (defined steps) | median proxy precision | gate on | " + " | ".join(REGIMES) + " |",
+        "|---|" + "---:|" * (7 + len(REGIMES)),
+    ]
+    windows, unlabelled = set(), False
+    for variant, by_seed in runs.items():
+        for seed, rows in by_seed.items():
+            r = run_summary(rows)
+            windows.add((r["final_window_steps"], r["steps"]))
+            unlabelled |= r["regimes"] is None
+            regimes = r["regimes"] or {}
+            lines.append(
+                f"| {variant} | {seed} | {_fmt(r['entropy_first5_mean'], 3)} "
+                f"| {_fmt(r['entropy_final_window_mean'], 3)} | {_fmt(r['rollout_accuracy_final_window'], 2)} "
+                f"| {_fmt(r['critical_weight']['median'], 2)} ({r['critical_weight']['n']}/{r['steps']}) "
+                f"| {_fmt(r['proxy_precision']['median'], 2)} | {_fmt(r['gate_fraction'], 2)} | "
+                + " | ".join(str(regimes[name]) if name in regimes else "-" for name in REGIMES)
+                + " |"
+            )
+    lines += ["", "Final window: " + "; ".join(f"the last {w} of {n} steps" for w, n in sorted(windows)) + "."]
+    if unlabelled:
+        lines.append("Regimes '-': the run logged no theory/regime (older code); its W* median counts every step.")
+    return lines
+
+
+def block_table(runs: Runs, size: int) -> list[str]:
+    """Mean entropy / rollout accuracy over blocks of `size` steps (steps 1..size, size+1..2*size, ...)."""
+    last = max(r["step"] for by_seed in runs.values() for rows in by_seed.values() for r in rows)
+    blocks = [(start, min(start + size - 1, last)) for start in range(1, last + 1, size)]
+    lines = [
+        f"Mean entropy / rollout accuracy per block of {size} steps:",
+        "",
+        "| variant | seed | " + " | ".join(f"{a}–{b}" for a, b in blocks) + " |",
+        "|---|---:|" + "---|" * len(blocks),
+    ]
+    for variant, by_seed in runs.items():
+        for seed, rows in by_seed.items():
+            cells = []
+            for a, b in blocks:
+                block = [r for r in rows if a <= r["step"] <= b]
+                entropy = mean([r["stare/entropy_mean"] for r in block if r.get("stare/entropy_mean") is not None])
+                accuracy = mean([r["rollout/accuracy"] for r in block if r.get("rollout/accuracy") is not None])
+                cells.append(f"{_fmt(entropy, 3)} / {_fmt(accuracy, 2)}")
+            lines.append(f"| {variant} | {seed} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile (0.5 <= p < 1) of Student's t with df degrees of freedom.
+
+    Bisection on the CDF, 0.5 + the integral of the density from 0 (Simpson's rule, 2,000 intervals):
+    accurate to about 1e-6 for the 95% intervals used here, without scipy in the dependencies.
+    """
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def density(t: float) -> float:
+        return math.exp(log_c - (df + 1) / 2 * math.log1p(t * t / df))
+
+    def cdf(x: float, n: int = 2000) -> float:
+        h = x / n
+        inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, n))
+        return 0.5 + (density(0.0) + inner + density(x)) * h / 3
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float | None, float | None]:
+    """(mean, low, high): the t-interval for the mean of `values`; no interval (None, None) from one value."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, None, None
+    half = t_quantile(0.5 + level / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, m - half, m + half
+
+
+def seed_summary(runs: Runs) -> tuple[list[str], dict[str, dict]]:
+    """Per variant, the mean over seeds and a 95% t-interval of final-window entropy and rollout accuracy."""
+    lines = [
+        "| variant | seeds | final-window entropy, mean [95% CI] | final-window rollout accuracy, mean [95% CI] |",
+        "|---|---:|---:|---:|",
+    ]
+    out = {}
+    for variant, by_seed in runs.items():
+        summaries = [run_summary(rows) for rows in by_seed.values()]
+        cells, out[variant] = [], {"seeds": sorted(by_seed)}
+        for key, digits in (("entropy_final_window_mean", 3), ("rollout_accuracy_final_window", 2)):
+            m, lo, hi = t_interval([s[key] for s in summaries])
+            out[variant][key] = {"mean": m, "ci95": None if lo is None else [lo, hi]}
+            interval = "one seed: no interval" if lo is None else f"{lo:.{digits}f}, {hi:.{digits}f}"
+            cells.append(f"{m:.{digits}f} [{interval}]")
+        lines.append(f"| {variant} | {len(by_seed)} | " + " | ".join(cells) + " |")
+    return lines, out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,11 +152,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the quickstart's)")
+    parser.add_argument("--blocks", type=int, default=None, metavar="N", help="also print per-block means of N steps")
     args, overrides = parser.parse_known_args(argv)
+    if args.blocks is not None and args.blocks < 1:
+        parser.error(f"--blocks must be a positive number of steps; got {args.blocks}")
 
     base_path = args.quickstart / "rl-grpo-ds" / "config.yaml"
     stare_base = load_config(RLConfig, args.quickstart / "rl-stare-O1" / "config.yaml").stare
-    runs: dict[str, dict[int, list[dict]]] = {}
+    runs: Runs = {}
     for variant in args.variants:
         for seed in args.seeds:
             name = f"{variant}-seed{seed}"
@@ -70,29 +177,16 @@ def main(argv: list[str] | None = None) -> None:
                 rl.run(config)
             runs.setdefault(variant, {})[seed] = read_metrics(args.out / name)
 
-    lines = [
-        "| variant | seed | entropy, first 5 steps | final-window entropy | final-window rollout accuracy "
-        "| median W* | median proxy precision | gate on |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    summary = {}
-    for variant, by_seed in runs.items():
-        for seed, rows in by_seed.items():
-            first = sum(r["stare/entropy_mean"] for r in rows[:5]) / min(5, len(rows))
-            entry = {
-                "entropy_first5": first,
-                "entropy_final": window(rows, "stare/entropy_mean"),
-                "accuracy_final": window(rows, "rollout/accuracy"),
-                "critical_weight_median": median(rows, "theory/critical_weight"),
-                "proxy_precision_median": median(rows, "theory/proxy_precision"),
-                "gate_on": window(rows, "stare/gate", 1.0) if any("stare/gate" in r for r in rows) else None,
-            }
-            summary[f"{variant}-seed{seed}"] = entry
-            gate = "-" if entry["gate_on"] is None else f"{entry['gate_on']:.2f}"
-            lines.append(
-                f"| {variant} | {seed} | {first:.3f} | {entry['entropy_final']:.3f} | {entry['accuracy_final']:.2f} "
-                f"| {entry['critical_weight_median']:.2f} | {entry['proxy_precision_median']:.2f} | {gate} |"
-            )
+    cross_seed, cross_seed_json = seed_summary(runs)
+    lines = run_table(runs) + ["", "Across seeds (95% t-interval over seeds):", "", *cross_seed]
+    if args.blocks:
+        lines += ["", *block_table(runs, args.blocks)]
+    summary = {
+        "runs": {
+            f"{v}-seed{seed}": run_summary(rows) for v, by_seed in runs.items() for seed, rows in by_seed.items()
+        },
+        "across_seeds": cross_seed_json,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
@@ -100,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     plot(runs, args.out / "entropy.png", stare_base.target_entropy)
 
 
-def plot(runs: dict[str, dict[int, list[dict]]], path: Path, target: float) -> None:
+def plot(runs: Runs, path: Path, target: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

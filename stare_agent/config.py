@@ -62,6 +62,12 @@ class RunConfig:
     """Run directory name under output_dir; empty means '<command>-<UTC timestamp>'."""
     seed: int = 0
     """Seed for every random number generator the run uses."""
+    threads: int = 0
+    """Torch intra-op CPU threads (torch.set_num_threads); n >= 1 uses n, 0 = DEFAULT_THREADS (see there)."""
+
+    def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = the measured default, n = n threads); got {self.threads}")
 
 
 @dataclass
@@ -258,9 +264,14 @@ class RolloutConfig:
     group_size: int = 8
     """Rollouts per prompt (the GRPO group)."""
     temperature: float = 1.0
+    """Sampling temperature (> 0). The trainer scores log-probs, entropy and S2 from logits / temperature:
+    the distribution the rollout sampled from."""
     top_p: float = 1.0
+    """Must stay 1 in RL: a nucleus-truncated draw is not the distribution the update scores (eval may use any)."""
     max_turn_tokens: int = 512
     """New tokens per model turn at most (the episode budget is agent.max_total_tokens)."""
+    logprob_tolerance: float = 0.01
+    """Warn (once per run) when the mean |rollout - trainer| log-prob per action token exceeds this (nats)."""
     batch_size: int = 128
     """Episodes generated together in lock step."""
     dynamic_sampling: bool = True
@@ -271,8 +282,14 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2 or self.batch_size < 1:
             raise ValueError("prompts_per_step and batch_size must be >= 1, group_size >= 2")
-        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.max_turn_tokens < 1:
-            raise ValueError("temperature must be > 0, top_p in (0, 1], max_turn_tokens >= 1")
+        if self.temperature <= 0 or self.max_turn_tokens < 1 or not self.logprob_tolerance > 0:
+            raise ValueError("temperature must be > 0, max_turn_tokens >= 1, logprob_tolerance > 0")
+        if self.top_p != 1:
+            raise ValueError(
+                f"top_p must be 1 in RL (got {self.top_p}): the update scores the temperature-scaled full "
+                "distribution, and a nucleus-truncated sample would make every ratio and surprisal off-policy; "
+                "lower rollout.temperature instead (eval.top_p may be < 1)"
+            )
         if self.max_refill_rounds < 0:
             raise ValueError(f"max_refill_rounds must be >= 0; got {self.max_refill_rounds}")
 

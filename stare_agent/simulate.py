@@ -26,7 +26,7 @@ import torch
 from stare_agent.config import SimulateConfig, StareConfig, ToyTaskConfig, make_run_dir, save_config
 from stare_agent.loss import group_advantages, policy_loss
 from stare_agent.stare import StareController, select_quadrants
-from stare_agent.theory import batch_diagnostics, entropy_and_s2, phi
+from stare_agent.theory import REGIMES, batch_diagnostics, entropy_and_s2, phi
 
 # Columns of simulate.csv, one row per (run, step).
 COLUMNS = [
@@ -41,6 +41,7 @@ COLUMNS = [
     "w",
     "weight_mean",
     "critical_weight",
+    "regime",
     "proxy_precision",
     "informative_groups",
 ]
@@ -119,6 +120,7 @@ def train_toy(task: ToyTaskConfig, stare: StareConfig, seed: int) -> list[dict[s
                 "w": controller.w if stare.enabled else 1.0,
                 "weight_mean": float(weights.mean()),
                 "critical_weight": float(theory["theory/critical_weight"]),
+                "regime": REGIMES[int(theory["theory/regime"])],
                 "proxy_precision": float(theory["theory/proxy_precision"]),
                 "informative_groups": float((reward.view(-1, task.group_size).std(dim=1) > 0).float().mean()),
             }
@@ -132,7 +134,8 @@ def window_mean(rows: list[dict[str, float]], key: str, window: int) -> float:
 
 
 def summarize(config: SimulateConfig, results: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """Per run: final-window entropy (mean, min, max), reward, and the median critical weight over training."""
+    """Per run: final-window entropy (mean, min, max), reward, the steps in each regime, and the median critical
+    weight over the steps where it is defined (the needs_w regime)."""
     window = max(1, config.toy.steps // 5)
     summary = {}
     for name, rows in results.items():
@@ -145,6 +148,8 @@ def summarize(config: SimulateConfig, results: dict[str, list[dict[str, float]]]
             "final_reward": window_mean(rows, "reward", window),
             "final_informative_groups": window_mean(rows, "informative_groups", window),
             "critical_weight_median": crit[len(crit) // 2] if crit else float("nan"),
+            "critical_weight_steps": len(crit),
+            **{f"regime_{name}": sum(r["regime"] == name for r in rows) for name in REGIMES},
             "proxy_precision_mean": window_mean(rows, "proxy_precision", len(rows)),
             "entropy_all_change": sum(r["entropy_all_change"] for r in rows),
             "entropy_all_change_first_order": sum(r["entropy_all_change_first_order"] for r in rows),
@@ -219,11 +224,12 @@ def run(config: SimulateConfig) -> Path:
 def format_summary(summary: dict[str, dict[str, float]], target: float) -> str:
     header = (
         f"{'run':<22} {'final H':>8} {'H range':>15} {'reward':>7} {'W* median':>10} {'proxy prec':>10} "
-        f"{'dH all':>8} {'1st-order':>9}"
+        f"{'dH all':>8} {'1st-order':>9}  regimes (rising/needs_w/no_w_helps/undefined)"
     )
     lines = [
         f"final window = last 20% of steps; H_tgt = {target:g}; "
-        "dH all = total change of the mean entropy over all positions, 1st-order = its first-order prediction",
+        "dH all = total change of the mean entropy over all positions, 1st-order = its first-order prediction; "
+        "W* median over the needs_w steps only (elsewhere W* is undefined)",
         header,
     ]
     for name, s in summary.items():
@@ -231,6 +237,7 @@ def format_summary(summary: dict[str, dict[str, float]], target: float) -> str:
         lines.append(
             f"{name:<22} {s['final_entropy']:>8.3f} {span:>15} {s['final_reward']:>7.3f} "
             f"{s['critical_weight_median']:>10.3f} {s['proxy_precision_mean']:>10.3f} "
-            f"{s['entropy_all_change']:>8.3f} {s['entropy_all_change_first_order']:>9.3f}"
+            f"{s['entropy_all_change']:>8.3f} {s['entropy_all_change_first_order']:>9.3f}  "
+            + "/".join(str(s[f"regime_{name}"]) for name in REGIMES)
         )
     return "\n".join(lines)

@@ -159,6 +159,12 @@ def test_sft_ids_equal_the_rl_episode_ids(tiny_tokenizer):
     ids, mask = tokenize_transcript(tiny_tokenizer, _row()["messages"])
     assert ids == result.token_ids + [tiny_tokenizer.eos_token_id]
     assert mask == result.action_mask + [1]
+    # the same tokens are left out of both: the prompt, and the interpreter block with its tags
+    prompt = protocol.encode_prompt(tiny_tokenizer, _row()["messages"][:1])
+    assert not any(result.action_mask[: len(prompt)])
+    sampled = tiny_tokenizer.decode([t for t, m in zip(result.token_ids, result.action_mask, strict=True) if m])
+    assert "<interpreter>" not in sampled and "</interpreter>" not in sampled and "42\n" not in sampled
+    assert sampled.replace("</code>", "</code>\n<interpreter>\n42\n</interpreter>\n") == TRANSCRIPT
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".json"])

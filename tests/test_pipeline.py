@@ -51,6 +51,47 @@ def test_eval_without_anything_to_evaluate_says_so(capsys, tiny_model_dir):
     assert main(["rl", "model.path=/nonexistent", "data.train_file=x.jsonl"]) == 2
 
 
+def _rl_rows(w_stars, gate=None):
+    """Hand-made RL metrics rows: entropy 0.20, 0.18, ... and a W* (None = undefined) per step."""
+    rows = []
+    for i, w_star in enumerate(w_stars):
+        rows.append(
+            {
+                "step": i + 1,
+                "stare/entropy_mean": 0.2 - 0.02 * i,
+                "rollout/accuracy": 0.1 * (i + 1),
+                "theory/critical_weight": w_star,
+                "theory/proxy_precision": 0.5 + 0.1 * i,
+                "theory/regime": "needs_w" if w_star is not None else "no_w_helps",
+                "time/step": 1.0,
+                "time/stare": 0.01,
+                **({} if gate is None else {"stare/gate": gate[i]}),
+            }
+        )
+    return rows
+
+
+def test_the_quickstart_summary_is_computed_from_the_run_metrics():
+    config = QuickstartConfig()  # P = 0.02, W = 3
+    runs = {"rl-grpo-ds": _rl_rows([2.0, None, 5.0, 1.5]), "rl-stare-O1": _rl_rows([None] * 4, gate=[0, 1, 1, 1])}
+    timings = {"sft": 2.0}
+    summary = quickstart.make_summary(config, runs, {}, timings, {}, [], "stare-O1")
+    text = quickstart.summary_markdown(summary)
+    assert summary["rl"]["rl-grpo-ds"]["regimes"] == {"rising": 0, "needs_w": 3, "no_w_helps": 1, "undefined": 0}
+    # the median W* is over the 3 defined steps; W = 3 exceeds two of them
+    assert "| 2.00 (3/4) |" in text and "| 0 | 3 | 1 | 0 |" in text
+    assert "defined (Gamma > 0, Lambda >= 0) on 3 of 4 steps: 1.50-5.00 (median 2.00 over 3 steps)" in text
+    assert "W = 3.0 exceeds it on 2 of them" in text
+    assert "needs_w 3, no_w_helps 1" in text and "0.50-0.80 (median 0.65 over 4 steps)" in text
+    assert "GRPO-ds entropy 0.200 at step 1 and 0.140 over its last 1 of 4 steps" in text and "gate on" in text
+    assert "(mean of stare/gate over steps) 0.75" in text
+    assert "P = 0.02, W = 3.0" in text
+
+    runs["rl-grpo-ds"][1]["theory/critical_weight"] = 8.0
+    changed = quickstart.summary_markdown(quickstart.make_summary(config, runs, {}, timings, {}, [], "stare-O1"))
+    assert "| 3.50 (4/4) |" in changed and "on 4 of 4 steps: 1.50-8.00 (median 3.50 over 4 steps)" in changed
+
+
 @pytest.mark.slow
 def test_a_small_quickstart_runs_end_to_end_and_plot_redraws(tmp_path):
     overrides = [
@@ -84,7 +125,7 @@ def test_a_small_quickstart_runs_end_to_end_and_plot_redraws(tmp_path):
     }
     for name in ("entropy", "reward", "accuracy", "response_length", "tool_calls"):
         assert (run_dir / "plots" / f"{name}.png").stat().st_size > 0
-    assert "Why these STARE settings" in (run_dir / "summary.md").read_text()
+    assert "The STARE settings, measured on this run" in (run_dir / "summary.md").read_text()
     for stage in ("sft", "rl-grpo-ds", "rl-stare-O1", "eval-sft"):
         assert (run_dir / stage / "config.yaml").exists()
     (run_dir / "plots" / "entropy.png").unlink()

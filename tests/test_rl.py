@@ -1,8 +1,13 @@
-"""The local RL loop on the tiny model: the update's alignment and STARE wiring, 2-step runs, exact resume."""
+"""The local RL loop on the tiny model: 2-step runs, exact resume, and one test per behaviour of the update
+(STARE weights in the gradient, surprisal ranking, dynamic sampling, token-level mean, clip-higher, group
+advantages, masks, temperature scoring, the mismatch guard, no dropout), each of which fails when that
+behaviour alone is removed or inverted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import shutil
 
 import pytest
@@ -10,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 import stare_agent.agent as agent_module
-from stare_agent.agent import EpisodeResult
+from stare_agent import protocol
+from stare_agent.agent import EpisodeResult, Sample
 from stare_agent.backends.local import rl
-from stare_agent.config import RLConfig, load_config
+from stare_agent.config import ConfigError, RLConfig, load_config
 from stare_agent.data import write_records
 from stare_agent.tasks import generate_tasks
 
@@ -99,29 +105,268 @@ def test_rl_resume_is_exact(tmp_path, tiny_model_dir, prompts, varied_reward):
     assert state["stare"]["step"] == 3 and state["cursor"] > 0
 
 
-def test_update_aligns_targets_and_applies_stare(tmp_path, tiny_model_dir, prompts):
-    """Hand-made episodes whose rollout log-probs are the model's own: the update's old log-probs match them
-    token for token (a shifted alignment would not), and STARE's weights reach the loss."""
-    trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "update", "steps=1"))
-    model, gen = trainer.model, torch.Generator().manual_seed(0)
-    groups = []
-    for g in range(2):
+def own_episodes(model, *, temperature=1.0, offset=0.0, groups=2, group_size=4, seed=0):
+    """Hand-made groups (prompt, a turn, an observation, a turn) whose rollout log-probs are the model's own
+    under softmax(logits / temperature), shifted by `offset`; rewards alternate 0, 1 within each group."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for g in range(groups):
         group = []
-        for i in range(4):
+        for i in range(group_size):
             length = 20 + 3 * i + g
             ids = torch.randint(3, 200, (length,), generator=gen)
             mask = [0] * 6 + [1] * 5 + [0] * 3 + [1] * (length - 14)  # prompt, turn, observation, turn
             with torch.no_grad():
                 logits = model(input_ids=ids[None]).logits[0, :-1]
-            own = logits.log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
-            logprobs = [0.0] + [float(lp) if m else 0.0 for lp, m in zip(own, mask[1:], strict=True)]
-            group.append(
-                EpisodeResult(f"p{g}", ids.tolist(), mask, logprobs, 6, [], None, float(i % 2), "eos", None, "")
-            )
-        groups.append(group)
+            own = (logits / temperature).log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
+            logprobs = [0.0] + [float(lp) + offset if m else 0.0 for lp, m in zip(own, mask[1:], strict=True)]
+            reward = float(i % 2)
+            group.append(EpisodeResult(f"p{g}", ids.tolist(), mask, logprobs, 6, [], None, reward, "eos", None, ""))
+        out.append(group)
+    return out
+
+
+def gradient(trainer, batch):
+    """The flattened gradient accumulate_gradients leaves in the model, and its metrics (grads reset after)."""
+    trainer.model.zero_grad(set_to_none=True)
+    metrics = trainer.accumulate_gradients(batch)
+    flat = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+    trainer.model.zero_grad(set_to_none=True)
+    return flat, metrics
+
+
+def test_update_aligns_targets_and_applies_stare(tmp_path, tiny_model_dir, prompts):
+    """Old log-probs match the rollout's token for token (a shifted alignment would not); STARE's weights reach
+    the metrics; the full update runs and reports the regime."""
+    trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "update", "steps=1"))
+    groups = own_episodes(trainer.model)
     metrics = trainer.update(groups)
     assert metrics["train/rollout_logprob_abs_diff"] < 1e-5
     assert metrics["train/action_tokens"] == sum(sum(e.action_mask[1:]) for g in groups for e in g)
     assert metrics["stare/gate"] == 1.0 and metrics["stare/weight_mean"] > 1.0
     assert metrics["stare/frac_high_pos"] > 0
+    assert metrics["theory/regime"] in ("rising", "needs_w", "no_w_helps", "undefined")
+    assert metrics["train/ratio_abs_dev_max"] < 1e-5  # on-policy: the update's ratio is 1
+    trainer.log.close()
+
+
+def test_stare_weights_reach_the_gradient(tmp_path, tiny_model_dir, prompts):
+    """The weighted update's gradient equals the unweighted one on advantages scaled by omega, and differs from
+    the plain unweighted gradient."""
+    trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "weights", "steps=1"))
+    batch, _ = trainer.prepare(own_episodes(trainer.model))
+    assert (batch.weights != 1).any() and (batch.weights[~batch.action_mask] == 1).all()
+    ones = torch.ones_like(batch.weights)
+    weighted, _ = gradient(trainer, batch)
+    scaled = batch.advantages[:, None] * batch.weights
+    folded, _ = gradient(trainer, dataclasses.replace(batch, advantages=scaled, weights=ones))
+    plain, _ = gradient(trainer, dataclasses.replace(batch, weights=ones))
+    assert torch.allclose(weighted, folded, rtol=1e-5, atol=1e-7)
+    assert (weighted - plain).norm() > 1e-2 * plain.norm()
+    trainer.log.close()
+
+
+def test_surprisal_ranking_picks_the_least_likely_sampled_tokens(tmp_path, tiny_model_dir, prompts):
+    """With O1, the reweighted tokens are exactly the ceil(P |T+|) positive-advantage tokens with the lowest
+    log-prob of the sampled token (computed here from the rollout, independently of the trainer)."""
+    trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "rank", "steps=1", "stare.top_ratio=0.25"))
+    groups = own_episodes(trainer.model)
+    batch, _ = trainer.prepare(groups)
+    candidates = []  # (rollout log-prob, row, position) of every action token with A > 0
+    for row, episode in enumerate(e for group in groups for e in group):
+        if episode.reward == 1.0:
+            for t in range(1, len(episode.token_ids)):
+                if episode.action_mask[t]:
+                    candidates.append((episode.logprobs[t], row, t - 1))
+    k = math.ceil(0.25 * len(candidates))
+    expected = {(row, t) for _, row, t in sorted(candidates)[:k]}
+    chosen = {tuple(i) for i in (batch.weights > 1).nonzero().tolist()}
+    assert chosen == expected
+    trainer.log.close()
+
+
+def test_token_mean_is_over_the_whole_batch(tmp_path, tiny_model_dir, prompts):
+    """Loss and gradient are the same for micro-batches of 1 sequence and of the whole batch."""
+    trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "mean", "steps=1"))
+    batch, _ = trainer.prepare(own_episodes(trainer.model))
+    batch = dataclasses.replace(batch, old_logprobs=batch.old_logprobs - 0.1)  # ratios != 1: a non-trivial loss
+    results = {}
+    for micro in (1, 3, 64):
+        trainer.config = dataclasses.replace(
+            trainer.config, loss=dataclasses.replace(trainer.config.loss, micro_batch_size=micro)
+        )
+        results[micro] = gradient(trainer, batch)
+    for micro in (1, 3):
+        assert torch.allclose(results[micro][0], results[64][0], rtol=1e-5, atol=1e-7)
+        assert results[micro][1]["train/loss"] == pytest.approx(results[64][1]["train/loss"], rel=1e-5)
+    trainer.log.close()
+
+
+def _surrogate_by_hand(model, batch, temperature, eps_low, eps_high):
+    """-(1/N) sum over action tokens of omega * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), token by token;
+    the policy is softmax(logits / temperature); no KL term."""
+    logits = model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    terms = []
+    for i, t in batch.action_mask.nonzero().tolist():
+        ratio = torch.exp(logprobs[i, t, batch.ids[i, t + 1]] - batch.old_logprobs[i, t])
+        a = float(batch.advantages[i])
+        clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+        terms.append(batch.weights[i, t] * torch.minimum(ratio * a, clipped * a))
+    return -torch.stack(terms).sum() / len(terms)
+
+
+def test_update_is_the_clip_higher_surrogate_by_hand(tmp_path, tiny_model_dir, prompts):
+    """At temperature 0.7 with ratios of 0.75 ... 1.35, the update's gradient is that of the clip-higher
+    surrogate (0.2 / 0.28) written out token by token: not the symmetric 0.2 or 0.28 ones, not at temperature 1,
+    and only action tokens count."""
+    trainer = rl.Trainer(
+        config(tmp_path, tiny_model_dir, prompts, "clip", "steps=1", "rollout.temperature=0.7", "stare.top_ratio=0.3")
+    )
+    batch, _ = trainer.prepare(own_episodes(trainer.model, temperature=0.7))
+    ratios = torch.tensor([1.25, 0.75, 1.1, 0.9, 1.35, 0.7])
+    flat = torch.arange(batch.old_logprobs.numel()).view_as(batch.old_logprobs) % len(ratios)
+    batch = dataclasses.replace(batch, old_logprobs=batch.old_logprobs - torch.log(ratios[flat]))
+    got, metrics = gradient(trainer, batch)
+    assert 0 < metrics["train/clip_frac"] < 1
+
+    def by_hand(temperature, eps_low, eps_high):
+        trainer.model.zero_grad(set_to_none=True)
+        _surrogate_by_hand(trainer.model, batch, temperature, eps_low, eps_high).backward()
+        flat = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+        trainer.model.zero_grad(set_to_none=True)
+        return flat
+
+    assert torch.allclose(got, by_hand(0.7, 0.2, 0.28), rtol=1e-4, atol=1e-7)
+    for other in (by_hand(0.7, 0.2, 0.2), by_hand(0.7, 0.28, 0.28), by_hand(1.0, 0.2, 0.28)):
+        assert (got - other).norm() > 1e-3 * got.norm()
+    trainer.log.close()
+
+
+def test_advantages_are_normalized_within_each_group(tmp_path, tiny_model_dir, prompts):
+    trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "adv", "steps=1"))
+    groups = own_episodes(trainer.model, group_size=4)
+    groups[1][0].reward = 1.0  # rewards 1 1 0 1 in the second group
+    batch, _ = trainer.prepare(groups)
+    expected = []
+    for group in groups:
+        rewards = [e.reward for e in group]
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
+        expected += [(r - mean) / (std + 1e-6) for r in rewards]
+    assert batch.advantages.tolist() == pytest.approx(expected, rel=1e-6)
+    trainer.log.close()
+
+
+def test_rl_at_temperature_scores_the_sampled_distribution(tmp_path, tiny_model_dir, prompts, varied_reward):
+    """Real rollouts at T = 0.6: the trainer's old log-probs equal the sampler's, so the first update's ratio is 1."""
+    rl.run(config(tmp_path, tiny_model_dir, prompts, "temp", "steps=1", "rollout.temperature=0.6"))
+    (row,) = rows(tmp_path / "temp")
+    assert row["train/rollout_logprob_abs_diff"] < 1e-4
+    assert row["train/ratio_abs_dev_max"] < 1e-3 and row["train/clip_frac"] == 0.0
+
+
+def test_a_rollout_trainer_mismatch_warns_once(tmp_path, tiny_model_dir, prompts, capsys):
+    trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "mismatch", "steps=1"))
+    _, metrics = trainer.prepare(own_episodes(trainer.model))
+    assert "warning" not in capsys.readouterr().err and metrics["train/rollout_logprob_abs_diff"] < 1e-5
+    for _ in range(2):
+        _, metrics = trainer.prepare(own_episodes(trainer.model, offset=-0.3))
+        assert metrics["train/rollout_logprob_abs_diff"] == pytest.approx(0.3, abs=1e-4)
+    err = capsys.readouterr().err
+    assert err.count("rl: warning") == 1 and "0.3 nats on average" in err and "top-k/top-p" in err
+    trainer.log.close()
+
+
+def test_rl_runs_without_dropout_so_the_update_is_on_policy(tmp_path, tiny_model_dir, prompts, capsys):
+    """A model whose config has attention dropout 0.5: RL turns it off (and says so), so the ratio is 1."""
+    model_dir = tmp_path / "dropout_model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    settings = json.loads((model_dir / "config.json").read_text())
+    settings["attention_dropout"] = 0.5
+    (model_dir / "config.json").write_text(json.dumps(settings))
+    trainer = rl.Trainer(config(tmp_path, model_dir, prompts, "dropout", "steps=1", f"model.path={model_dir}"))
+    assert "dropout is off for RL" in capsys.readouterr().out
+    metrics = trainer.update(own_episodes(trainer.model))
+    assert metrics["train/ratio_abs_dev_max"] < 1e-5 and metrics["train/clip_frac"] == 0.0
+    trainer.log.close()
+
+
+def test_top_p_below_one_is_refused_in_rl(tmp_path, tiny_model_dir, prompts):
+    with pytest.raises(ConfigError, match=r"rollout.*top_p must be 1 in RL"):
+        config(tmp_path, tiny_model_dir, prompts, "top_p", "rollout.top_p=0.9")
+
+
+# --- dynamic sampling -----------------------------------------------------------------------------------------
+
+
+CRASH = "<code>\n```python\nimport os\nos._exit(1)\n```\n</code>"
+
+
+class PolicyByProblem:
+    """A scripted batch generator (stands in for the model): the answer depends on the problem in the prompt.
+
+    kind "varied": right and wrong in turn (a group with both rewards); "flat": always wrong (equal rewards);
+    "broken": code that kills its kernel, so the sandbox fails (a sandbox_error, never a reward).
+    """
+
+    def __init__(self, tokenizer, problems):
+        self.tokenizer = tokenizer
+        self.kinds = {p.problem: ("varied", "flat", "varied", "broken")[i % 4] for i, p in enumerate(problems)}
+        self.answers = {p.problem: p.answer for p in problems}
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, prompts, max_new_tokens):
+        out = []
+        for ids in prompts:
+            text = self.tokenizer.decode(ids)
+            problem = next(p for p in self.kinds if p in text)
+            count = self.calls[problem] = self.calls.get(problem, 0) + 1
+            kind = self.kinds[problem]
+            if kind == "broken":
+                reply = CRASH
+            else:
+                right = kind == "varied" and count % 2 == 0
+                reply = f"<answer>\n\\boxed{{{self.answers[problem] if right else 'no'}}}\n</answer>"
+            token_ids = protocol.encode_segment(self.tokenizer, reply)
+            out.append(Sample(token_ids, [-1.0] * len(token_ids), "stop"))
+        return out
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_dynamic_sampling_drops_equal_and_sandbox_groups_and_refills(tmp_path, tiny_model_dir, prompts, dynamic):
+    trainer = rl.Trainer(
+        config(
+            tmp_path, tiny_model_dir, prompts, f"dyn-{dynamic}", "steps=1", f"rollout.dynamic_sampling={dynamic}",
+            "rollout.max_refill_rounds=5", "agent.sandbox_retries=1", "agent.retry_backoff_s=0.01",
+        )
+    )  # fmt: skip
+    policy = trainer.generator = PolicyByProblem(trainer.tokenizer, trainer.problems)
+
+    async def rollouts():
+        from sandbox.client import InProcessClient
+        from sandbox.kernels import PoolSettings
+
+        async with InProcessClient(PoolSettings(pool_size=1, max_kernels=16)) as client:
+            return await trainer.rollouts(rl.TimedClient(client))
+
+    import asyncio
+
+    kept, metrics = asyncio.run(rollouts())
+    seen = [policy.kinds[p] for p in policy.calls]  # every problem drawn this step, once each
+    assert metrics["rollout/episodes"] == 4 * len(seen)
+    assert metrics["rollout/groups_dropped_sandbox"] == seen.count("broken") > 0
+    for group in kept:  # never trained on a sandbox failure
+        assert all(e.reward is not None for e in group)
+        assert (
+            policy.kinds[next(p for p in policy.kinds if p in trainer.tokenizer.decode(group[0].token_ids))]
+            != "broken"
+        )
+    if dynamic:
+        assert len(seen) > 3  # dropped groups were refilled with new prompts
+        assert metrics["rollout/groups_dropped_equal"] == seen.count("flat") > 0
+        assert len(kept) == 3 and all(len({e.reward for e in group}) == 2 for group in kept)
+    else:
+        assert len(seen) == 3 and metrics["rollout/groups_dropped_equal"] == 0
+        assert len(kept) == 3 - seen.count("broken")
     trainer.log.close()

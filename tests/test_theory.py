@@ -344,6 +344,7 @@ def test_batch_entropy_rate_and_critical_weight(seed):
     assert w_star == pytest.approx(1 + slow_lam / slow_gam, rel=1e-6)
     # The batch is chosen so the interesting case holds: entropy falls under plain GRPO and high+ can lift it.
     assert slow_gam > 0 and w_star > 1.3
+    assert theory.REGIMES[int(diag["theory/regime"])] == "needs_w"
 
     scale = (abs(slow_lam) + 4 * abs(slow_gam)) / n
     rates = {}
@@ -404,4 +405,57 @@ def test_batch_diagnostics_without_positive_advantages_is_nan_not_error(advantag
 def test_critical_weight_is_nan_without_high_pos():
     """W* is undefined when Gamma is an empty sum; batch_diagnostics documents NaN for undefined values."""
     diag = _batch_without_positive_advantages(-ADVANTAGES.abs())
+    assert torch.isnan(diag["theory/critical_weight"])
+    assert theory.REGIMES[int(diag["theory/regime"])] == "undefined"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 8. Regimes: W* is reported only where "O1 with W > W*" is the exact first-order condition.
+
+
+@pytest.mark.parametrize(
+    ("lam", "gam", "has_high_pos", "regime"),
+    [
+        (1.0, 2.0, True, "needs_w"),
+        (0.0, 2.0, True, "needs_w"),
+        (1.0, 0.0, True, "no_w_helps"),
+        (1.0, -2.0, True, "no_w_helps"),
+        (-1.0, 2.0, True, "rising"),
+        (-1.0, -2.0, True, "rising"),
+        (1.0, 0.0, False, "undefined"),
+        (-1.0, 0.0, False, "undefined"),
+    ],
+)
+def test_regime_codes(lam, gam, has_high_pos, regime):
+    code = theory.regime_codes(torch.tensor(lam, dtype=F64), torch.tensor(gam, dtype=F64), has_high_pos)
+    assert theory.REGIMES[int(code)] == regime
+
+
+def _diagnostics_with(high_pos_from: str, advantages: torch.Tensor, seed: int = 4):
+    """batch_diagnostics on the independent batch with high+ taken as the highest ('high+') or, to make Gamma
+    negative, the lowest ('low+') surprisal tokens of T+."""
+    z, _, mask, surprisal = _independent_batch(seed)
+    h, s2 = _entropy_s2_f64(z)
+    chosen = stare.select_quadrants(surprisal, advantages, mask, 0.25, (high_pos_from,))[high_pos_from]
+    return theory.batch_diagnostics(surprisal, advantages, mask, h, s2, chosen)
+
+
+def test_critical_weight_is_nan_when_no_w_helps():
+    """Gamma < 0 (the 'high+' set is the least surprising tokens: reinforcing them lowers entropy): no W > 1
+    raises entropy, so 1 + Lambda/Gamma (a number below 1) is not reported."""
+    diag = _diagnostics_with("low+", ADVANTAGES)
+    assert float(diag["theory/gamma"]) < 0 <= float(diag["theory/lambda"])
+    assert theory.REGIMES[int(diag["theory/regime"])] == "no_w_helps"
+    assert torch.isnan(diag["theory/critical_weight"])
+
+
+def test_critical_weight_is_nan_when_entropy_already_rises():
+    """Lambda < 0: the plain step raises entropy; there is no threshold on W to report."""
+    for seed in range(40):
+        diag = _diagnostics_with("high+", ADVANTAGES, seed)
+        if float(diag["theory/lambda"]) < 0:
+            break
+    else:
+        pytest.fail("no seed in 0..39 gave Lambda < 0")
+    assert theory.REGIMES[int(diag["theory/regime"])] == "rising"
     assert torch.isnan(diag["theory/critical_weight"])

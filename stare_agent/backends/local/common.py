@@ -54,6 +54,17 @@ def load_model(config: ModelConfig, path: str | Path | None = None) -> tuple[Any
     return model.to(pick_device(config.device)), tokenizer
 
 
+def next_token_logits(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits of every position, the id each one predicts): (B, T, V) as the model returns them, and (B, T).
+
+    The last position predicts nothing; its target is a placeholder whose result callers drop ([:, :-1]).
+    Keeping all T positions lets the chunked passes (theory.token_logprobs, theory.sampling_stats) view the
+    logits as (B*T, V) without copying them.
+    """
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    return logits, torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+
+
 def make_client(config: SandboxConfig, concurrent_episodes: int = 0) -> Any:
     """The sandbox client: a service at config.url, else kernels in this process (call `start()` first).
 

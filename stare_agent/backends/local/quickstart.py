@@ -15,6 +15,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,43 +26,72 @@ from stare_agent.backends.local.common import make_client, read_metrics
 from stare_agent.config import QuickstartConfig, RunConfig, make_run_dir, save_config
 from stare_agent.data import write_records
 from stare_agent.models import build_tiny_model, tiny_corpus
+from stare_agent.stare import StareConfig
 from stare_agent.tasks import generate_tasks, make_sft_rows
+from stare_agent.theory import REGIMES
 
-# Why the quickstart's STARE settings are what they are; written into the summary. The numbers come
-# from the measurements in docs/quickstart.md (re-measure there when the task or model changes).
-SETTINGS_NOTE = """\
-STARE settings were chosen by measurement on this task, not copied from the paper's 7B runs
-(docs/quickstart.md has the measurements):
-- op O1 with the batch gate: the paper's main variant.
-- P = 0.02, not 0.1: after SFT the tiny model is confident (entropy 0.1-0.17 nats on its own
-  rollouts) and most positive-advantage tokens have low surprisal. At P = 0.1 only 8-24% of
-  the selected high+ tokens were above their critical surprisal s*, Gamma < 0 on every step,
-  and amplifying them would lower entropy; at P = 0.02 the proxy precision was 0.5-0.97 and
-  Gamma > 0.
-- W = 3: the critical weight W* = 1 + Lambda/Gamma measured at P = 0.02 had a median of 3-4
-  (range about 1.7-20), far above the paper's ~1.1 because responses are short; W must
-  exceed W* for the gate to push entropy up.
-- H_tgt = 0.14 nats: where rollouts of the SFT model sit during the first RL steps (0.136, mean
-  of steps 1-5 of a measured GRPO-ds run); GRPO-ds then drifts lower (0.115 over the last quarter
-  of 36 steps), so the gate engages whenever entropy falls below where RL started. (This run's
-  GRPO-ds started at {start:.2f}.)
-"""
+# --- numbers from an RL run's metrics rows: the summary below, benchmarks/rl_experiment.py and
+# benchmarks/rl_diagnostics.py all report them through these, so a number means the same in each.
 
 
-def _window(rows: list[dict[str, Any]], key: str, fraction: float = 0.25) -> list[float]:
+def logged(rows: list[dict[str, Any]], key: str) -> list[Any]:
+    """The values of `key` over the steps, skipping steps where it is missing or null (undefined that step)."""
+    return [r[key] for r in rows if r.get(key) is not None]
+
+
+def final_window(rows: list[dict[str, Any]], key: str, fraction: float = 0.25) -> list[float]:
     """The logged values of `key` in the last `fraction` of the steps that have it."""
-    values = [r[key] for r in rows if r.get(key) is not None]
+    values = logged(rows, key)
     return values[-max(1, int(len(values) * fraction)) :] if values else []
 
 
-def _window_mean(rows: list[dict[str, Any]], key: str, fraction: float = 0.25) -> float | None:
-    tail = _window(rows, key, fraction)
-    return sum(tail) / len(tail) if tail else None
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
-def _median(rows: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.median(values) if values else None
+def spread(values: list[float]) -> dict[str, Any]:
+    """n, min, median and max of `values` (the statistics None when there are none)."""
+    if not values:
+        return {"n": 0, "min": None, "median": None, "max": None}
+    return {"n": len(values), "min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def regime_counts(rows: list[dict[str, Any]]) -> dict[str, int] | None:
+    """Steps in each theory/regime (theory.REGIMES, then any other value logged); None for a run that logged
+    no regime (one from before the metric), so that it reads as unknown rather than as zero steps."""
+    counts = Counter(r.get("theory/regime") for r in rows)
+    if set(counts) == {None}:
+        return None
+    return {name: counts.pop(name, 0) for name in REGIMES} | {str(k): n for k, n in counts.items()}
+
+
+def run_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The numbers the quickstart summary and benchmarks/rl_experiment.py report for one RL run's metrics rows.
+
+    W* (`critical_weight`) and proxy precision are n/min/median/max over the steps where they are defined
+    (null elsewhere): a median over the other steps would mix in values that are not thresholds on W.
+    """
+    entropy = logged(rows, "stare/entropy_mean")
+    tail = final_window(rows, "stare/entropy_mean")
+    return {
+        "steps": len(rows),
+        "entropy_first": entropy[0] if entropy else None,
+        "entropy_first5_mean": mean(entropy[:5]),
+        "final_window_steps": len(tail),
+        "entropy_final_window_mean": mean(tail),
+        "entropy_final_window_min": min(tail, default=None),
+        "entropy_final_window_max": max(tail, default=None),
+        "rollout_accuracy_final_window": mean(final_window(rows, "rollout/accuracy")),
+        "regimes": regime_counts(rows),
+        "critical_weight": spread(logged(rows, "theory/critical_weight")),
+        "proxy_precision": spread(logged(rows, "theory/proxy_precision")),
+        "gate_fraction": mean(logged(rows, "stare/gate")),
+        "groups_dropped": sum(
+            (r.get("rollout/groups_dropped_equal") or 0) + (r.get("rollout/groups_dropped_sandbox") or 0) for r in rows
+        ),
+        "step_seconds_mean": mean(logged(rows, "time/step")),
+        "stare_seconds_share": _share(rows),
+    }
 
 
 def _make_data(config: QuickstartConfig, data_dir: Path) -> dict[str, Path]:
@@ -173,35 +203,17 @@ def run(config: QuickstartConfig) -> Path:
 
     runs = {f"rl-{name}": read_metrics(run_dir / f"rl-{name}") for name in variants}
     figures = plots.plot_runs(runs, run_dir / "plots", target_entropy=config.rl.stare.target_entropy)
-    summary = _summary(config, runs, results, timings, models, figures, stare_name)
+    summary = make_summary(config, runs, results, timings, models, figures, stare_name)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    (run_dir / "summary.md").write_text(_summary_markdown(summary))
+    (run_dir / "summary.md").write_text(summary_markdown(summary))
     print((run_dir / "summary.md").read_text())
     print(f"quickstart: everything is in {run_dir} (summary.md, plots/, data/, model/, sft/, rl-*/, eval-*/)")
     return run_dir
 
 
-def _summary(config, runs, results, timings, models, figures, stare_name) -> dict[str, Any]:
-    rl_runs = {}
-    for name, rows in runs.items():
-        rl_runs[name] = {
-            "entropy_first": next((r["stare/entropy_mean"] for r in rows if r.get("stare/entropy_mean")), None),
-            "entropy_final_window_mean": _window_mean(rows, "stare/entropy_mean"),
-            "entropy_final_window_min": min(_window(rows, "stare/entropy_mean"), default=None),
-            "entropy_final_window_max": max(_window(rows, "stare/entropy_mean"), default=None),
-            "rollout_accuracy_final_window": _window_mean(rows, "rollout/accuracy"),
-            "critical_weight_median": _median(rows, "theory/critical_weight"),
-            "proxy_precision_median": _median(rows, "theory/proxy_precision"),
-            "gate_fraction": _window_mean(rows, "stare/gate", fraction=1.0),
-            "groups_dropped": sum(
-                (r.get("rollout/groups_dropped_equal") or 0) + (r.get("rollout/groups_dropped_sandbox") or 0)
-                for r in rows
-            ),
-            "step_seconds_mean": _window_mean(rows, "time/step", fraction=1.0),
-            "stare_seconds_share": _share(rows),
-        }
+def make_summary(config, runs, results, timings, models, figures, stare_name) -> dict[str, Any]:
+    """summary.json: every number in it is computed from this quickstart's metrics, evals and timers."""
     stare = config.rl.stare
-    start = rl_runs["rl-grpo-ds"]["entropy_first"] or float("nan")
     return {
         "stare_settings": {
             "op": stare.op,
@@ -209,9 +221,9 @@ def _summary(config, runs, results, timings, models, figures, stare_name) -> dic
             "w": stare.w,
             "target_entropy": stare.target_entropy,
             "gate": stare.gate,
-            "why": SETTINGS_NOTE.format(start=start),
+            "measured": settings_note(stare, runs["rl-grpo-ds"], runs[f"rl-{stare_name}"]),
         },
-        "rl": rl_runs,
+        "rl": {name: run_summary(rows) for name, rows in runs.items()},
         "eval": results,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "total_s": round(sum(timings.values()), 1),
@@ -219,6 +231,50 @@ def _summary(config, runs, results, timings, models, figures, stare_name) -> dic
         "plots": [str(p) for p in figures],
         "stare_run": f"rl-{stare_name}",
     }
+
+
+def settings_note(stare: StareConfig, baseline: list[dict[str, Any]], controlled: list[dict[str, Any]]) -> str:
+    """What this run measured about the STARE settings, from the metrics rows of its two RL runs.
+
+    baseline is the GRPO-ds run: its theory/* diagnostics use stare.top_ratio as P without changing the
+    trajectory, so they show what STARE faces; controlled is the STARE run (its gate duty and entropy).
+    """
+    b, c = run_summary(baseline), run_summary(controlled)
+    w_star = logged(baseline, "theory/critical_weight")
+    return "\n".join(
+        [
+            f"Settings: op {stare.op}, gate {stare.gate}, P = {stare.top_ratio}, W = {stare.w}, "
+            f"H_tgt = {stare.target_entropy}. How they were chosen: docs/quickstart.md, section 'Choosing the "
+            "STARE settings by measurement'. What this run measured about them, from the GRPO-ds run's theory/* "
+            f"diagnostics at P = {stare.top_ratio} ({b['steps']} steps) and from the STARE run:",
+            "",
+            "- P: proxy precision (share of high+ tokens above their critical surprisal s*) "
+            f"{spread_text(b['proxy_precision'])}. Steps per regime: {regimes_text(b['regimes'])}. A W > W* raises "
+            "first-order entropy only on needs_w steps; on rising steps it rises without help, on no_w_helps "
+            "steps no W > 1 raises it.",
+            f"- W: W* = 1 + Lambda/Gamma is defined (Gamma > 0, Lambda >= 0) on {len(w_star)} of {b['steps']} "
+            f"steps: {spread_text(b['critical_weight'])}; W = {stare.w} exceeds it on "
+            f"{sum(stare.w > x for x in w_star)} of them.",
+            f"- H_tgt: GRPO-ds entropy {_fmt(b['entropy_first'])} at step 1 and "
+            f"{_fmt(b['entropy_final_window_mean'])} over its last {b['final_window_steps']} of {b['steps']} "
+            f"steps; STARE {_fmt(c['entropy_first'])} and {_fmt(c['entropy_final_window_mean'])}, with the gate on "
+            f"(mean of stare/gate over steps) {_fmt(c['gate_fraction'], 2)}.",
+        ]
+    )
+
+
+def regimes_text(counts: dict[str, int] | None) -> str:
+    """'rising 0, needs_w 38, ...' from regime_counts."""
+    if counts is None:
+        return "not logged (a run from before theory/regime)"
+    return ", ".join(f"{name} {n}" for name, n in counts.items())
+
+
+def spread_text(s: dict[str, Any]) -> str:
+    """'0.08-0.24 (median 0.16 over 40 steps)' from spread."""
+    if not s["n"]:
+        return "undefined on every step"
+    return f"{_fmt(s['min'], 2)}-{_fmt(s['max'], 2)} (median {_fmt(s['median'], 2)} over {s['n']} steps)"
 
 
 def _share(rows: list[dict[str, Any]]) -> float | None:
@@ -231,7 +287,7 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def _summary_markdown(s: dict[str, Any]) -> str:
+def summary_markdown(s: dict[str, Any]) -> str:
     st = s["stare_settings"]
     lines = [
         "# Quickstart summary",
@@ -244,18 +300,28 @@ def _summary_markdown(s: dict[str, Any]) -> str:
         f"gate {st['gate']}.",
         "",
         "| run | entropy at start | final-window mean entropy [min, max] | rollout accuracy (final window) "
-        "| median W* | median proxy precision | gate on (share of steps) | STARE share of step time |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| median W* (defined steps) | median proxy precision | gate on (share of steps) | STARE share of step time "
+        "| " + " | ".join(REGIMES) + " |",
+        "|---|" + "---:|" * (7 + len(REGIMES)),
     ]
     for name, r in s["rl"].items():
+        w_star, share = r["critical_weight"], r["stare_seconds_share"]
+        regimes = r["regimes"] or {}
         lines.append(
             f"| {name} | {_fmt(r['entropy_first'])} | {_fmt(r['entropy_final_window_mean'])} "
             f"[{_fmt(r['entropy_final_window_min'])}, {_fmt(r['entropy_final_window_max'])}] "
-            f"| {_fmt(r['rollout_accuracy_final_window'])} | {_fmt(r['critical_weight_median'], 2)} "
-            f"| {_fmt(r['proxy_precision_median'], 2)} | {_fmt(r['gate_fraction'], 2)} "
-            f"| {_fmt(r['stare_seconds_share'] * 100 if r['stare_seconds_share'] is not None else None, 2)}% |"
+            f"| {_fmt(r['rollout_accuracy_final_window'])} | {_fmt(w_star['median'], 2)} ({w_star['n']}/{r['steps']}) "
+            f"| {_fmt(r['proxy_precision']['median'], 2)} | {_fmt(r['gate_fraction'], 2)} "
+            f"| {_fmt(share * 100 if share is not None else None, 2)}% | "
+            + " | ".join(_fmt(regimes.get(name)) for name in REGIMES)
+            + " |"
         )
     lines += [
+        "",
+        "Final window: "
+        + "; ".join(sorted({f"the last {r['final_window_steps']} of {r['steps']} steps" for r in s["rl"].values()}))
+        + ". W* is a median "
+        "over the steps where it is defined (needs_w); the regime columns count steps.",
         "",
         "## Evaluation on held-out synthetic problems",
         "",
@@ -268,7 +334,7 @@ def _summary_markdown(s: dict[str, Any]) -> str:
             f"| {name} | {k} | {_fmt(r['avg@k'])} | {_fmt(r['pass@k'].get(1))} | {_fmt(r['pass@k'].get(k))} "
             f"| {_fmt(r['mean_tool_calls'], 2)} | {_fmt(r['mean_response_length'], 1)} |"
         )
-    lines += ["", "## Why these STARE settings", "", st["why"], "## Files", ""]
+    lines += ["", "## The STARE settings, measured on this run", "", st["measured"], "", "## Files", ""]
     lines += [f"- {name}: `{path}`" for name, path in s["models"].items()]
     lines += [f"- plot: `{p}`" for p in s["plots"]]
     return "\n".join(lines) + "\n"

@@ -7,17 +7,23 @@ One step:
    a group with a sandbox failure (not the model's fault); new prompts refill the batch for up to
    `max_refill_rounds` extra rounds, and every dropped group is counted in the logs;
 3. one no-grad forward over the batch gives the old log-probs and, from the same logits, the exact
-   per-token entropy and S2 (theory.entropy_and_s2);
+   per-token entropy and S2, all of the sampling distribution softmax(logits / temperature), in one
+   chunked pass (theory.sampling_stats);
 4. GRPO group-normalized advantages; STARE weights over the whole batch (stare.StareController);
 5. one on-policy update: clipped surrogate with clip-higher, token-level mean over the batch, no KL.
 GRPO-ds is the same run with stare.enabled=false (weights 1; the same entropy metrics are logged).
+
+The model runs in eval mode throughout RL (rollouts, reference pass and update): dropout would make the
+update's policy differ from the one that sampled, so the ratio would not be 1 on-policy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,7 @@ from stare_agent.backends.local.common import (
     load_trainer_state,
     make_client,
     make_optimizer,
+    next_token_logits,
     progress,
     resolve_resume,
     rng_state,
@@ -45,7 +52,7 @@ from stare_agent.config import ConfigError, RLConfig, make_run_dir, save_config
 from stare_agent.data import DataError, Problem, load_problems
 from stare_agent.loss import group_advantages, policy_loss
 from stare_agent.stare import StareController, select_quadrants
-from stare_agent.theory import batch_diagnostics, entropy_and_s2
+from stare_agent.theory import REGIMES, batch_diagnostics, sampling_stats, token_logprobs
 
 
 class TimedClient:
@@ -75,12 +82,20 @@ class TimedClient:
         return await self._timed(self.inner.close_session(session_id))
 
 
-def sequence_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each next token, the logits that predict it): (B, T-1) and (B, T-1, V)."""
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-    targets = ids[:, 1:]
-    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return logprobs, logits
+@torch.no_grad()
+def reference_stats(
+    model: Any, ids: torch.Tensor, attention: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Old log-probs of the next tokens, entropy and S2 of the sampling distribution: each (B, T-1) float32."""
+    logits, targets = next_token_logits(model, ids, attention)
+    logprobs, entropy, s2 = sampling_stats(logits, targets, temperature=temperature)
+    return logprobs[:, :-1], entropy[:, :-1], s2[:, :-1]
+
+
+def sequence_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-prob of each next token under softmax(logits / temperature), (B, T-1) float32, differentiable."""
+    logits, targets = next_token_logits(model, ids, attention)
+    return token_logprobs(logits, targets, temperature=temperature)[:, :-1]
 
 
 def pad_batch(results: Sequence[EpisodeResult], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -107,6 +122,26 @@ def pad_batch(results: Sequence[EpisodeResult], pad_id: int, device: torch.devic
     }
 
 
+@dataclass
+class UpdateBatch:
+    """One update's inputs, all aligned to next-token targets (position t predicts ids[:, t+1]).
+
+    ids, attention: (B, T); every other tensor (B, T-1) but advantages (B,). action_mask 1 = the target was
+    sampled by the policy. old_logprobs, entropy and s2 are of softmax(logits / temperature) under the
+    weights that sampled; surprisal = -old_logprobs; weights are STARE's omega (1 where it does nothing).
+    """
+
+    ids: torch.Tensor
+    attention: torch.Tensor
+    action_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    entropy: torch.Tensor
+    s2: torch.Tensor
+    advantages: torch.Tensor
+    weights: torch.Tensor
+
+
 class Trainer:
     """The RL loop's state; `run()` drives it."""
 
@@ -117,7 +152,12 @@ class Trainer:
         seed_everything(config.run.seed)
         self.checkpoint = resolve_resume(config.resume, self.run_dir)
         self.model, self.tokenizer = load_model(config.model, self.checkpoint)
+        self.model.eval()  # rollouts, reference pass and update are one policy: no dropout anywhere
+        dropout = _dropout_settings(self.model)
+        if dropout:
+            print(f"rl: dropout is off for RL (the model runs in eval mode); the model config has {dropout}")
         self.device = next(self.model.parameters()).device
+        self.mismatch_warned = False
         self.problems = self._load_problems()
         self.optimizer, self.scheduler = make_optimizer(self.model, config.optim, config.steps)
         self.controller = StareController(config.stare)
@@ -222,79 +262,120 @@ class Trainer:
             metrics[f"rollout/finish_{reason}"] = sum(e.finish_reason == reason for e in all_results) / n
         return kept, metrics
 
-    def update(self, groups: list[list[EpisodeResult]]) -> dict[str, float]:
-        """Old log-probs, entropy and S2 (no grad), advantages, STARE weights, one clipped update."""
+    def prepare(self, groups: list[list[EpisodeResult]]) -> tuple[UpdateBatch, dict[str, float]]:
+        """Reference pass (no grad), GRPO advantages and STARE weights over the whole batch; and their metrics."""
         cfg, timings = self.config, {}
         results = [e for group in groups for e in group]
-        batch = pad_batch(results, self.tokenizer.pad_token_id, self.device)
-        mask = batch["action_mask"]
-        micro = cfg.loss.micro_batch_size
-        rows = [slice(i, min(i + micro, len(results))) for i in range(0, len(results), micro)]
+        padded = pad_batch(results, self.tokenizer.pad_token_id, self.device)
+        mask = padded["action_mask"]
 
         started = time.perf_counter()
-        self.model.eval()  # no dropout in the reference pass
-        old, entropy, s2 = [], [], []
-        with torch.no_grad():
-            for sl in rows:
-                logprobs, logits = sequence_logprobs(self.model, batch["ids"][sl], batch["attention"][sl])
-                h, s = entropy_and_s2(logits)
-                old.append(logprobs)
-                entropy.append(h)
-                s2.append(s)
-        old_logprobs, entropy, s2 = torch.cat(old), torch.cat(entropy), torch.cat(s2)
+        parts = [
+            reference_stats(self.model, padded["ids"][sl], padded["attention"][sl], cfg.rollout.temperature)
+            for sl in self._micro_batches(len(results))
+        ]
+        old_logprobs, entropy, s2 = (torch.cat(column) for column in zip(*parts, strict=True))
         timings["time/forward"] = time.perf_counter() - started
 
         started = time.perf_counter()
         rewards = torch.tensor([e.reward for e in results], dtype=torch.float32, device=self.device)
         advantages = group_advantages(rewards, cfg.rollout.group_size)
-        surprisal = -old_logprobs
-        weights, stare_metrics = self.controller(surprisal, advantages, mask, entropy)
+        # Surprisal is -log pi_old of the sampled token: high+ holds the least likely sampled tokens.
+        weights, stare_metrics = self.controller(-old_logprobs, advantages, mask, entropy)
         timings["time/stare"] = time.perf_counter() - started
+        batch = UpdateBatch(
+            padded["ids"], padded["attention"], mask, padded["rollout_logprobs"], old_logprobs, entropy, s2,
+            advantages, weights,
+        )  # fmt: skip
+        metrics = {
+            **{k: float(v) for k, v in stare_metrics.items()},
+            "stare/w": self.controller.w,
+            "stare/m": self.controller.m,
+            **self._check_mismatch(batch),
+            **timings,
+        }
+        return batch, metrics
 
-        started = time.perf_counter()
-        high_pos = select_quadrants(surprisal, advantages, mask, cfg.stare.top_ratio, ("high+",))["high+"]
-        theory = batch_diagnostics(surprisal, advantages, mask, entropy, s2, high_pos)
-        timings["time/theory"] = time.perf_counter() - started
+    def _micro_batches(self, rows: int) -> list[slice]:
+        micro = self.config.loss.micro_batch_size
+        return [slice(i, min(i + micro, rows)) for i in range(0, rows, micro)]
 
-        started = time.perf_counter()
-        self.model.train()
+    def _check_mismatch(self, batch: UpdateBatch) -> dict[str, float]:
+        """Rollout vs trainer log-probs of the sampled tokens; warns once per run above rollout.logprob_tolerance."""
+        action = batch.action_mask.bool()
+        diff = (batch.rollout_logprobs - batch.old_logprobs).abs()[action]
+        mean, worst = (float(diff.mean()), float(diff.max())) if diff.numel() else (0.0, 0.0)
+        tolerance = self.config.rollout.logprob_tolerance
+        if mean > tolerance and not self.mismatch_warned:
+            self.mismatch_warned = True
+            print(
+                f"rl: warning: at step {self.step + 1} the rollout and trainer log-probs of the sampled tokens differ "
+                f"by {mean:.4g} nats on average (max {worst:.4g}) over {diff.numel()} tokens, above "
+                f"rollout.logprob_tolerance={tolerance}: the update is not on-policy. Likely causes: the sampler "
+                "transforms the distribution in a way the trainer does not score (top-k/top-p, repetition "
+                "penalties, a temperature other than rollout.temperature), generation in another dtype or on "
+                "another device than training, or nondeterministic kernels. (Shown once per run; the value is "
+                "logged every step as train/rollout_logprob_abs_diff.)",
+                file=sys.stderr,
+            )
+        return {"train/rollout_logprob_abs_diff": mean, "train/rollout_logprob_abs_diff_max": worst}
+
+    def accumulate_gradients(self, batch: UpdateBatch) -> dict[str, float]:
+        """The clipped, STARE-weighted surrogate's gradient, summed into .grad over micro-batches.
+
+        The loss is one token-level mean over the action tokens of the whole batch, whatever the micro-batch size.
+        """
+        cfg, mask = self.config, batch.action_mask
         n_tokens = mask.sum()
-        loss_total, clip_frac = 0.0, 0.0
-        for sl in rows:
-            logprobs, _ = sequence_logprobs(self.model, batch["ids"][sl], batch["attention"][sl])
+        loss_total, clip_frac, ratio_dev = 0.0, 0.0, 0.0
+        for sl in self._micro_batches(len(batch.ids)):
+            logprobs = sequence_logprobs(self.model, batch.ids[sl], batch.attention[sl], cfg.rollout.temperature)
             loss, loss_metrics = policy_loss(
                 logprobs,
-                old_logprobs[sl],
-                advantages[sl],
+                batch.old_logprobs[sl],
+                batch.advantages[sl],
                 mask[sl],
                 eps_low=cfg.loss.eps_low,
                 eps_high=cfg.loss.eps_high,
                 dual_clip=cfg.loss.dual_clip,
-                weights=weights[sl],
+                weights=batch.weights[sl],
                 num_tokens=n_tokens,
             )
             loss.backward()
             loss_total += float(loss.detach())
             clip_frac += float(loss_metrics["policy/clip_frac"]) * float(mask[sl].sum()) / float(n_tokens)
-        grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
-        timings["time/backward"] = time.perf_counter() - started
+            with torch.no_grad():
+                deviation = (logprobs - batch.old_logprobs[sl]).exp().sub(1).abs()[mask[sl].bool()]
+                ratio_dev = max(ratio_dev, float(deviation.max()) if deviation.numel() else 0.0)
+        return {"train/loss": loss_total, "train/clip_frac": clip_frac, "train/ratio_abs_dev_max": ratio_dev}
 
-        action = mask.bool()
-        mismatch = (batch["rollout_logprobs"] - old_logprobs).abs()[action].mean()
-        return {
-            "train/loss": loss_total,
-            "train/grad_norm": grad_norm,
-            "train/clip_frac": clip_frac,
-            "train/lr": self.scheduler.get_last_lr()[0],
-            "train/tokens": float(batch["attention"].sum()),
-            "train/action_tokens": float(n_tokens),
-            "train/rollout_logprob_abs_diff": float(mismatch),
-            **{k: float(v) for k, v in stare_metrics.items()},
-            "stare/w": self.controller.w,
-            "stare/m": self.controller.m,
-            **{k: float(v) for k, v in theory.items()},
-            **timings,
-        }
+    def update(self, groups: list[list[EpisodeResult]]) -> dict[str, float]:
+        """Old log-probs, entropy and S2 (no grad), advantages, STARE weights, one clipped update."""
+        cfg = self.config
+        batch, metrics = self.prepare(groups)
+
+        started = time.perf_counter()
+        surprisal = -batch.old_logprobs
+        high_pos = select_quadrants(surprisal, batch.advantages, batch.action_mask, cfg.stare.top_ratio, ("high+",))
+        theory = batch_diagnostics(
+            surprisal, batch.advantages, batch.action_mask, batch.entropy, batch.s2, high_pos["high+"]
+        )
+        metrics["time/theory"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        metrics.update(self.accumulate_gradients(batch))
+        metrics["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
+        metrics["time/backward"] = time.perf_counter() - started
+        metrics.update(
+            {
+                "train/lr": self.scheduler.get_last_lr()[0],
+                "train/tokens": float(batch.attention.sum()),
+                "train/action_tokens": float(batch.action_mask.sum()),
+                **{k: float(v) for k, v in theory.items() if k != "theory/regime"},
+                "theory/regime": REGIMES[int(theory["theory/regime"])],
+            }
+        )
+        return metrics
 
     async def train(self) -> Path:
         cfg = self.config
@@ -344,6 +425,18 @@ class Trainer:
         if last is None:
             last = self.save()
         return last
+
+
+def _dropout_settings(model: Any) -> str:
+    """The model config's non-zero dropout settings, as text ('' when there are none)."""
+    config = getattr(model, "config", None)
+    found = {
+        key: value
+        for key, value in (vars(config).items() if config is not None else ())
+        if "dropout" in key and isinstance(value, (int, float)) and value > 0
+    }
+    found.update({name: m.p for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
+    return ", ".join(f"{k}={v}" for k, v in found.items())
 
 
 def run(config: RLConfig) -> Path:

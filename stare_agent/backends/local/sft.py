@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from stare_agent.backends.local.common import (
     MetricsLog,
@@ -22,6 +21,7 @@ from stare_agent.backends.local.common import (
     load_model,
     load_trainer_state,
     make_optimizer,
+    next_token_logits,
     progress,
     resolve_resume,
     rng_state,
@@ -32,6 +32,7 @@ from stare_agent.backends.local.common import (
 )
 from stare_agent.config import SFTConfig, make_run_dir, save_config
 from stare_agent.data import DataError, SFTExample, load_sft
+from stare_agent.theory import token_logprobs
 
 
 def _split(examples: list[SFTExample], fraction: float, seed: int) -> tuple[list[SFTExample], list[SFTExample]]:
@@ -58,11 +59,14 @@ def collate(examples: list[SFTExample], pad_id: int, device: torch.device) -> tu
 
 
 def token_loss_sum(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, loss_mask: torch.Tensor):
-    """Sum of next-token cross-entropy over the positions whose target has loss mask 1, and their count."""
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-    targets, weight = ids[:, 1:], loss_mask[:, 1:]
-    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
-    return (nll.view_as(weight) * weight).sum(), weight.sum()
+    """Sum of next-token cross-entropy over the positions whose target has loss mask 1, and their count.
+
+    Computed chunk by chunk over the logits (theory.token_logprobs), as the RL update does.
+    """
+    logits, targets = next_token_logits(model, ids, attention)
+    nll = -token_logprobs(logits, targets)[:, :-1]
+    weight = loss_mask[:, 1:]
+    return (nll * weight).sum(), weight.sum()
 
 
 @torch.no_grad()

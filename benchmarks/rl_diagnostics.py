@@ -1,0 +1,76 @@
+"""The first-order theory diagnostics of RL runs, from each run's metrics.jsonl.
+
+docs/quickstart.md ("Choosing the STARE settings by measurement") quotes what this prints.
+
+    python benchmarks/rl_diagnostics.py RUN_DIR [RUN_DIR ...] [--per-step]
+
+Per run: steps; steps in each theory/regime; steps per sign of (Lambda, Gamma); proxy precision and W*
+as range and median over the steps where each is defined (W* only in the needs_w regime); the mean over
+steps of the mean critical surprisal s* of the high+ tokens. The diagnostics use the run's stare.top_ratio
+as P whether STARE is on or off, so rerunning a GRPO-ds run with another stare.top_ratio (same seed: same
+trajectory) measures another P. --per-step adds each step's Lambda, Gamma, regime, W* and precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from stare_agent.backends.local.common import read_metrics
+from stare_agent.backends.local.quickstart import logged, mean, regime_counts, regimes_text, spread, spread_text
+
+
+def _sign(value: float | None) -> str:
+    return "?" if value is None else "+" if value > 0 else "-" if value < 0 else "0"
+
+
+def diagnostics(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: the run's diagnostics over all its steps (the first line is left to the caller)."""
+    steps = len(rows)
+    regimes = regime_counts(rows)
+    signs = Counter(f"({_sign(r.get('theory/lambda'))}, {_sign(r.get('theory/gamma'))})" for r in rows)
+    w_star = logged(rows, "theory/critical_weight")
+    s_star = mean(logged(rows, "theory/critical_surprisal_mean"))
+    lines = [
+        f"- regimes (steps): {regimes_text(regimes)}",
+        "- signs of (Lambda, Gamma) (steps): " + ", ".join(f"{k} {n}" for k, n in sorted(signs.items())),
+        f"- proxy precision: {spread_text(spread(logged(rows, 'theory/proxy_precision')))}",
+        f"- W* = 1 + Lambda/Gamma, defined on {len(w_star)} of {steps} steps: {spread_text(spread(w_star))}",
+        "- critical surprisal s* (mean over high+ tokens, then over steps): "
+        + ("-" if s_star is None else f"{s_star:.2f} nats"),
+    ]
+    if regimes is None:
+        lines.append("- with no theory/regime logged, W* counts every step, including those where it is no threshold")
+    return lines
+
+
+def per_step(rows: list[dict[str, Any]]) -> list[str]:
+    keys = ["theory/lambda", "theory/gamma", "theory/regime", "theory/critical_weight", "theory/proxy_precision"]
+    lines = ["| step | Lambda | Gamma | regime | W* | proxy precision |", "|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        cells = [r.get(k) for k in keys]
+        lines.append(
+            f"| {r['step']} | "
+            + " | ".join("-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells)
+            + " |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="an RL run folder (with metrics.jsonl)")
+    parser.add_argument("--per-step", action="store_true", help="also print every step's values")
+    args = parser.parse_args(argv)
+    for run_dir in args.runs:
+        rows = read_metrics(run_dir)
+        lines = [f"### {run_dir} ({len(rows)} steps)", "", *diagnostics(rows)]
+        if args.per_step:
+            lines += ["", *per_step(rows)]
+        print("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

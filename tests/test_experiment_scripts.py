@@ -1,0 +1,133 @@
+"""benchmarks/rl_experiment.py and benchmarks/rl_diagnostics.py: their tables from hand-made metrics rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from stare_agent.config import QuickstartConfig, save_config
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+experiment = _load("rl_experiment")
+diagnostics = _load("rl_diagnostics")
+
+
+def _row(step, entropy, accuracy, regime, w_star=None, lam=1.0, gam=1.0, precision=0.5):
+    return {
+        "step": step,
+        "stare/entropy_mean": entropy,
+        "rollout/accuracy": accuracy,
+        "theory/regime": regime,
+        "theory/critical_weight": w_star,
+        "theory/lambda": lam,
+        "theory/gamma": gam,
+        "theory/proxy_precision": precision,
+        "theory/critical_surprisal_mean": 0.4,
+    }
+
+
+# W* is defined (2 and 50) on the two needs_w steps only; the median over them is 26.
+RUN = [
+    _row(1, 0.20, 0.2, "needs_w", w_star=2.0, precision=0.9),
+    _row(2, 0.18, 0.4, "no_w_helps", gam=-1.0, precision=0.1),
+    _row(3, 0.16, 0.6, "needs_w", w_star=50.0),
+    _row(4, 0.12, 0.8, "rising", lam=-1.0),
+]
+
+
+def test_run_table_counts_regimes_and_takes_the_w_star_median_over_defined_steps():
+    lines = experiment.run_table({"grpo-ds": {0: RUN}})
+    assert lines[0].endswith("| rising | needs_w | no_w_helps | undefined |")
+    # first-5 mean 0.165, final window (last 1 of 4) 0.120 / 0.80, median W* 26 over 2 of 4 steps, regimes 1 2 1 0
+    assert lines[2] == "| grpo-ds | 0 | 0.165 | 0.120 | 0.80 | 26.00 (2/4) | 0.50 | - | 1 | 2 | 1 | 0 |"
+    assert "the last 1 of 4 steps" in lines[-1]
+    changed = [*RUN[:2], _row(3, 0.16, 0.6, "needs_w", w_star=4.0), RUN[3]]
+    assert "| 3.00 (2/4) |" in experiment.run_table({"grpo-ds": {0: changed}})[2]
+
+
+def test_run_table_marks_runs_without_regimes_as_unknown_not_zero():
+    old = [{k: v for k, v in r.items() if k != "theory/regime"} for r in RUN]
+    lines = experiment.run_table({"grpo-ds": {0: old}})
+    assert lines[2].endswith("| - | - | - | - |")
+    assert "logged no theory/regime" in lines[-1]
+
+
+def test_block_table_means_entropy_and_accuracy_per_block():
+    lines = experiment.block_table({"grpo-ds": {0: RUN}, "stare-O1": {0: RUN[:3]}}, 2)
+    assert lines[0] == "Mean entropy / rollout accuracy per block of 2 steps:"
+    assert lines[2] == "| variant | seed | 1–2 | 3–4 |"
+    assert lines[4] == "| grpo-ds | 0 | 0.190 / 0.30 | 0.140 / 0.70 |"
+    assert lines[5] == "| stare-O1 | 0 | 0.190 / 0.30 | 0.160 / 0.60 |"
+
+
+@pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)])
+def test_t_quantile_matches_the_table(df, expected):
+    assert experiment.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+
+
+def test_t_interval_and_the_cross_seed_summary():
+    m, lo, hi = experiment.t_interval([1.0, 2.0, 3.0])
+    assert m == 2.0 and hi - m == pytest.approx(4.3027 * 1.0 / 3**0.5, abs=1e-3) and m - lo == pytest.approx(hi - m)
+    assert experiment.t_interval([0.5]) == (0.5, None, None)
+
+    other = [dict(r, **{"stare/entropy_mean": 0.2, "rollout/accuracy": 0.4}) for r in RUN]
+    lines, out = experiment.seed_summary({"grpo-ds": {0: RUN, 1: other}, "stare-O1": {0: RUN}})
+    entropy = out["grpo-ds"]["entropy_final_window_mean"]
+    half = 12.706 * statistics.stdev([0.12, 0.2]) / 2**0.5
+    assert entropy["mean"] == pytest.approx(0.16) and entropy["ci95"] == pytest.approx(
+        [0.16 - half, 0.16 + half], abs=1e-4
+    )
+    assert lines[2].startswith("| grpo-ds | 2 | 0.160 [")
+    assert lines[3] == "| stare-O1 | 1 | 0.120 [one seed: no interval] | 0.80 [one seed: no interval] |"
+
+
+def test_diagnostics_counts_regimes_and_signs_and_skips_undefined_w_star(tmp_path, capsys):
+    lines = diagnostics.diagnostics(RUN)
+    assert lines[0] == "- regimes (steps): rising 1, needs_w 2, no_w_helps 1, undefined 0"
+    assert lines[1] == "- signs of (Lambda, Gamma) (steps): (+, +) 2, (+, -) 1, (-, +) 1"
+    assert lines[2] == "- proxy precision: 0.10-0.90 (median 0.50 over 4 steps)"
+    assert lines[3] == "- W* = 1 + Lambda/Gamma, defined on 2 of 4 steps: 2.00-50.00 (median 26.00 over 2 steps)"
+    assert lines[4].endswith("0.40 nats")
+    old = [{k: v for k, v in r.items() if k != "theory/regime"} for r in RUN]
+    assert diagnostics.diagnostics(old)[0].endswith("not logged (a run from before theory/regime)")
+
+    run = tmp_path / "p010"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RUN))
+    diagnostics.main([str(run), "--per-step"])
+    printed = capsys.readouterr().out
+    assert f"### {run} (4 steps)" in printed and "| 2 | 1 | -1 | no_w_helps | - | 0.1 |" in printed
+
+
+def test_rl_experiment_on_finished_runs_only_prints_its_tables(tmp_path, capsys):
+    for name in ("rl-grpo-ds", "rl-stare-O1"):
+        (tmp_path / "qs" / name).mkdir(parents=True)
+        save_config(replace(QuickstartConfig().rl, steps=4), tmp_path / "qs" / name)
+    for seed in (0, 1):
+        run = tmp_path / "out" / f"grpo-ds-seed{seed}"
+        run.mkdir(parents=True)
+        rows = [dict(r, **{"stare/entropy_mean": r["stare/entropy_mean"] + 0.01 * seed}) for r in RUN]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    experiment.main(
+        [str(tmp_path / "qs"), "--out", str(out), "--seeds", "0", "1", "--variants", "grpo-ds", "--blocks", "2"]
+    )
+    printed = capsys.readouterr().out
+    assert "| grpo-ds | 1 | 0.175 | 0.130 | 0.80 | 26.00 (2/4) |" in printed
+    assert "| grpo-ds | 2 | 0.125 [" in printed and "| grpo-ds | 1 | 0.200 / 0.30 | 0.150 / 0.70 |" in printed
+    assert (out / "table.md").read_text().strip() in printed
+    assert json.loads((out / "summary.json").read_text())["across_seeds"]["grpo-ds"]["seeds"] == [0, 1]
