@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from _machine import cpu_snapshot, other_cores
+from _machine import cpu_snapshot, other_cores, proc_status_kib, reset_peak_rss
 from torch import Tensor
 
 import stare_agent
@@ -45,27 +45,6 @@ def naive_entropy_and_s2(logits: Tensor) -> tuple[Tensor, Tensor]:
     h = -(p * logp).sum(-1)
     s2 = (p * p * (logp + h[:, None])).sum(-1)
     return h, s2
-
-
-def proc_status_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Set VmHWM to the current VmRSS (Linux >= 4.0); False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def worker(spec: dict, out_path: str) -> None:

@@ -211,8 +211,10 @@ def test_adaptive_schedule_moves_and_clips():
     controller = StareController(config)
     s, a, mask, _ = random_batch(6)
     low, high = torch.full_like(s, 0.1), torch.full_like(s, 0.9)
-    controller(s, a, mask, low)
+    weights, _ = controller(s, a, mask, low)
     assert (controller.w, controller.m) == pytest.approx((1.3, 0.7))
+    # W moves first, from this step's entropy, and the moved W is applied to this same step (docs/stare.md)
+    assert float(weights.max()) == pytest.approx(1.3)
     for _ in range(5):
         controller(s, a, mask, low)
     assert (controller.w, controller.m) == pytest.approx((1.5, 0.5))  # clipped at w_max, m_min
