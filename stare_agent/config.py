@@ -54,7 +54,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class RunConfig:
-    """Where a run writes and how it is seeded."""
+    """Where a run writes, how it is seeded and how many CPU threads it uses."""
 
     output_dir: str = "runs"
     """Parent folder of run directories."""
@@ -62,12 +62,14 @@ class RunConfig:
     """Run directory name under output_dir; empty means '<command>-<UTC timestamp>'."""
     seed: int = 0
     """Seed for every random number generator the run uses."""
-    threads: int = 0
-    """Torch intra-op CPU threads (torch.set_num_threads); n >= 1 uses n, 0 = DEFAULT_THREADS (see there)."""
+    threads: int = 1
+    """Torch intra-op CPU threads, set by the `stare-agent` command before it runs; 0 = torch's default (one per core).
+    1 by measurement on the tiny models (docs/benchmarks.md): 2 were up to 1.6x faster idle but 2-3.4x slower than 1
+    beside a busy process (their OpenMP threads spin-wait for a core the other process holds)."""
 
     def __post_init__(self) -> None:
         if self.threads < 0:
-            raise ValueError(f"threads must be >= 0 (0 = the measured default, n = n threads); got {self.threads}")
+            raise ValueError(f"threads must be >= 0 (n = n threads, 0 = torch's default); got {self.threads}")
 
 
 @dataclass
