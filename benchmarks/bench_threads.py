@@ -22,6 +22,7 @@ Run: .venv/bin/python benchmarks/bench_threads.py [--quick] [--help]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -61,17 +62,7 @@ def build_model(out_dir: Path) -> Path:
     from stare_agent.models import build_tiny_model, tiny_corpus
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the table's output
-    m = TinyModelConfig()
-    return build_tiny_model(
-        out_dir,
-        tiny_corpus(),
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        intermediate_size=m.intermediate_size,
-    )
+    return build_tiny_model(out_dir, tiny_corpus(), **dataclasses.asdict(TinyModelConfig()))
 
 
 def timed(unit, seconds: float, min_units: int) -> tuple[int, float]:

@@ -23,6 +23,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from stare_agent.backends.local import rl
 from stare_agent.backends.local.common import read_metrics
 from stare_agent.backends.local.quickstart import REGIMES, mean, run_summary
@@ -167,13 +169,15 @@ def main(argv: list[str] | None = None) -> None:
             steps = args.steps or config.steps
             config = replace(
                 config,
-                run=RunConfig(output_dir=str(args.out), name=name, seed=seed),
+                run=RunConfig(output_dir=str(args.out), name=name, seed=seed, threads=config.run.threads),
                 stare=replace(stare_base, **VARIANTS[variant]),
                 steps=steps,
                 resume="auto",
             )
             done = args.out / name / "metrics.jsonl"
             if not (done.exists() and len(read_metrics(args.out / name)) >= steps):
+                if config.run.threads:  # as `stare-agent rl` does (docs/benchmarks.md, section 3)
+                    torch.set_num_threads(config.run.threads)
                 rl.run(config)
             runs.setdefault(variant, {})[seed] = read_metrics(args.out / name)
 

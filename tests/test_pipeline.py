@@ -45,7 +45,8 @@ def test_eval_on_a_tiny_model_writes_reports(tmp_path, tiny_model_dir):
     assert "| mine | 2 | 2 |" in (out / "results.md").read_text()
 
 
-def test_eval_without_anything_to_evaluate_says_so(capsys, tiny_model_dir):
+def test_eval_without_anything_to_evaluate_says_so(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default run.output_dir is ./runs: keep it out of the checkout
     assert main(["eval", f"model.path={tiny_model_dir}"]) == 2
     assert "nothing to evaluate" in capsys.readouterr().err
     assert main(["rl", "model.path=/nonexistent", "data.train_file=x.jsonl"]) == 2

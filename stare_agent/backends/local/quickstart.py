@@ -16,7 +16,7 @@ import json
 import statistics
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -145,18 +145,7 @@ def run(config: QuickstartConfig) -> Path:
     corpus = tiny_corpus() + [
         m["content"] for line in files["sft"].read_text().splitlines() for m in json.loads(line)["messages"]
     ]
-    m = config.model
-    model_dir = build_tiny_model(
-        run_dir / "model",
-        corpus,
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads,
-        intermediate_size=m.intermediate_size,
-        seed=seed,
-    )
+    model_dir = build_tiny_model(run_dir / "model", corpus, **asdict(config.model), seed=seed)
     timings["model"] = time.perf_counter() - started
 
     started = time.perf_counter()
