@@ -1,10 +1,16 @@
-"""What else the machine was doing during a benchmark (other processes distort CPU timings here), and the
-peak-memory probes the memory benchmarks share."""
+"""What else the machine was doing during a benchmark (other processes distort CPU timings here), and what the
+memory benchmarks share: peak-memory probes, fresh worker processes, and their (V, rows) arguments."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 
 def cpu_snapshot() -> tuple[float, float, float] | None:
@@ -47,3 +53,32 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def sizes(vocab: str, rows: str) -> list[tuple[int, int]]:
+    """(V, rows) pairs from comma-separated --vocab and --rows values (one --rows value applies to every V)."""
+    vocabs = [int(v) for v in vocab.split(",")]
+    counts = [int(r) for r in rows.split(",")]
+    counts = counts * len(vocabs) if len(counts) == 1 else counts
+    if len(counts) != len(vocabs):
+        raise SystemExit("--rows needs one value, or one per --vocab value")
+    return list(zip(vocabs, counts, strict=True))
+
+
+def run_worker(script: str, spec: dict) -> tuple[dict, Any]:
+    """Run `script --_worker SPEC --_out FILE` in a fresh process (its own peak RSS and thread pool) with the
+    project on PYTHONPATH; returns the JSON of its last stdout line and what it saved to FILE with torch.save."""
+    import torch
+
+    import stare_agent
+
+    root = Path(stare_agent.__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "out.pt")
+        cmd = [sys.executable, os.path.abspath(script), "--_worker", json.dumps(spec), "--_out", out_path]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"worker {spec} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1]), torch.load(out_path)

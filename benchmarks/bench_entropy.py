@@ -22,17 +22,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from _machine import cpu_snapshot, other_cores, proc_status_kib, reset_peak_rss
+from _machine import cpu_snapshot, other_cores, proc_status_kib, reset_peak_rss, run_worker, sizes
 from torch import Tensor
 
-import stare_agent
 from stare_agent.theory import DEFAULT_CHUNK_ELEMENTS, entropy_and_s2
 
 MIB = 2**20
@@ -91,19 +86,6 @@ def worker(spec: dict, out_path: str) -> None:
     print(json.dumps(result))
 
 
-def run_variant(spec: dict, root: Path) -> tuple[dict, dict[str, Tensor]]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "out.pt")
-        cmd = [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec), "--_out", out_path]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"worker {spec} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        return result, torch.load(out_path)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", default="32768,151936", help="comma-separated V values")
@@ -127,20 +109,14 @@ def main(argv: list[str] | None = None) -> None:
         worker(json.loads(args._worker), args._out)
         return
 
-    vocabs = [int(v) for v in args.vocab.split(",")]
-    rows = [int(r) for r in args.rows.split(",")]
-    if len(rows) == 1:
-        rows *= len(vocabs)
-    if len(rows) != len(vocabs):
-        raise SystemExit("--rows needs one value, or one per --vocab value")
+    pairs = sizes(args.vocab, args.rows)
     chunk_mib = [float(x) for x in args.chunk_mib.split(",") if x.strip()]
-    root = Path(stare_agent.__file__).resolve().parents[1]
     threads = args.threads or torch.get_num_threads()
     print(f"torch {torch.__version__}, {threads} threads, {os.cpu_count()} CPUs")
     print(f"each variant in a fresh process: 1 call for memory, then the median of {args.repeats} timed calls")
 
     failed = False
-    for vocab, n_rows in zip(vocabs, rows, strict=True):
+    for vocab, n_rows in pairs:
         logits_mib = n_rows * vocab * 4 / MIB
         default_rows = max(1, DEFAULT_CHUNK_ELEMENTS // vocab)
 
@@ -163,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, chunk, chunk_rows in chunks:
             spec = {"vocab": vocab, "rows": n_rows, "chunk": chunk, "repeats": args.repeats}
             spec.update(seed=args.seed, scale=args.scale, threads=args.threads)
-            result, out = run_variant(spec, root)
+            result, out = run_worker(__file__, spec)
             if ref is None:
                 ref, naive_s = out, result["median_s"]
             d_h = float((out["h"] - ref["h"]).abs().max())

@@ -28,16 +28,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from _machine import cpu_snapshot, other_cores, proc_status_kib, reset_peak_rss
+from _machine import cpu_snapshot, other_cores, proc_status_kib, reset_peak_rss, run_worker, sizes
 
-import stare_agent
 from stare_agent.theory import entropy_and_s2, sampling_stats, token_logprobs
 
 MIB = 2**20
@@ -142,18 +137,6 @@ def worker(spec: dict, out_path: str) -> None:
     )
 
 
-def run_variant(spec: dict, root: Path) -> tuple[dict, dict]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "out.pt")
-        cmd = [sys.executable, os.path.abspath(__file__), "--_worker", json.dumps(spec), "--_out", out_path]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"worker {spec} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        return json.loads(proc.stdout.strip().splitlines()[-1]), torch.load(out_path)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", default="32768,151936", help="comma-separated V values")
@@ -170,12 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         worker(json.loads(args._worker), args._out)
         return
 
-    vocabs = [int(v) for v in args.vocab.split(",")]
-    rows = [int(r) for r in args.rows.split(",")]
-    rows = rows * len(vocabs) if len(rows) == 1 else rows
-    if len(rows) != len(vocabs):
-        raise SystemExit("--rows needs one value, or one per --vocab value")
-    root = Path(stare_agent.__file__).resolve().parents[1]
+    pairs = sizes(args.vocab, args.rows)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; T = {args.temperature}"
     )
@@ -183,14 +161,14 @@ def main(argv: list[str] | None = None) -> None:
           "| max abs error vs float64 | other cores |")  # fmt: skip
     print("|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     failed = False
-    for vocab, n_rows in zip(vocabs, rows, strict=True):
+    for vocab, n_rows in pairs:
         logits_mib = n_rows * vocab * 4 / MIB
         for which in ("reference", "update"):
             naive_s, naive_error, truth = None, None, None
             for variant in ("naive", "chunked"):
                 spec = {"vocab": vocab, "rows": n_rows, "pass": which, "variant": variant, "repeats": args.repeats}
                 spec.update(seed=args.seed, scale=args.scale, temperature=args.temperature)
-                result, out = run_variant(spec, root)
+                result, out = run_worker(__file__, spec)
                 truth = truth or exact(spec)
                 diff = max(float((out[k].double() - truth[k].double()).abs().max()) for k in out)
                 if naive_s is None:
