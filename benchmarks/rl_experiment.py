@@ -23,10 +23,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from stare_agent.backends.local import rl
-from stare_agent.backends.local.common import read_metrics
+from stare_agent.backends.local.common import read_metrics, set_threads
 from stare_agent.backends.local.quickstart import REGIMES, mean, run_summary
 from stare_agent.config import RLConfig, RunConfig, load_config
 from stare_agent.plots import smooth
@@ -176,8 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             done = args.out / name / "metrics.jsonl"
             if not (done.exists() and len(read_metrics(args.out / name)) >= steps):
-                if config.run.threads:  # as `stare-agent rl` does (docs/benchmarks.md, section 3)
-                    torch.set_num_threads(config.run.threads)
+                set_threads(config.run)  # as `stare-agent rl` does
                 rl.run(config)
             runs.setdefault(variant, {})[seed] = read_metrics(args.out / name)
 

@@ -137,14 +137,11 @@ def _run(args: argparse.Namespace) -> int:
     """A pipeline command: load its config, set torch's CPU threads (run.threads), then its module's run(config)."""
     import importlib
 
-    import torch
+    from stare_agent.backends.local.common import set_threads
 
     config_class, module = COMMANDS[args.command]
     config = load_config(config_class, args.config, args.overrides)
-    # Before any model exists, once for the whole process (the quickstart's stages share it). The inter-op
-    # pool is left alone: eager training and generation do not use it, and setting it after first use raises.
-    if config.run.threads:
-        torch.set_num_threads(config.run.threads)
+    set_threads(config.run)
     importlib.import_module(module).run(config)
     return 0
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stare_agent.config import ConfigError, ModelConfig, OptimConfig, SandboxConfig
+from stare_agent.config import ConfigError, ModelConfig, OptimConfig, RunConfig, SandboxConfig
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
@@ -120,6 +120,16 @@ def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: f
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
+
+
+def set_threads(run: RunConfig) -> None:
+    """torch's intra-op CPU threads from run.threads (0 = leave torch's default); call before any model runs.
+
+    Once per process (the quickstart's stages share it). The inter-op pool is left alone: eager training and
+    generation do not use it, and setting it after first use raises.
+    """
+    if run.threads:
+        torch.set_num_threads(run.threads)
 
 
 def seed_everything(seed: int) -> None:

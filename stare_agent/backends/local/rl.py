@@ -141,6 +141,11 @@ class UpdateBatch:
     advantages: torch.Tensor
     weights: torch.Tensor
 
+    @property
+    def surprisal(self) -> torch.Tensor:
+        """-log pi_old of each sampled token (B, T-1): what STARE ranks; high+ = the least likely sampled tokens."""
+        return -self.old_logprobs
+
 
 class Trainer:
     """The RL loop's state; `run()` drives it."""
@@ -280,13 +285,12 @@ class Trainer:
         started = time.perf_counter()
         rewards = torch.tensor([e.reward for e in results], dtype=torch.float32, device=self.device)
         advantages = group_advantages(rewards, cfg.rollout.group_size)
-        # Surprisal is -log pi_old of the sampled token: high+ holds the least likely sampled tokens.
-        weights, stare_metrics = self.controller(-old_logprobs, advantages, mask, entropy)
-        timings["time/stare"] = time.perf_counter() - started
         batch = UpdateBatch(
             padded["ids"], padded["attention"], mask, padded["rollout_logprobs"], old_logprobs, entropy, s2,
-            advantages, weights,
+            advantages, weights=torch.ones_like(old_logprobs),
         )  # fmt: skip
+        batch.weights, stare_metrics = self.controller(batch.surprisal, advantages, mask, entropy)
+        timings["time/stare"] = time.perf_counter() - started
         metrics = {
             **{k: float(v) for k, v in stare_metrics.items()},
             "stare/w": self.controller.w,
@@ -327,7 +331,8 @@ class Trainer:
         """
         cfg, mask = self.config, batch.action_mask
         n_tokens = mask.sum()
-        loss_total, clip_frac, ratio_dev = 0.0, 0.0, 0.0
+        # Metric tensors, reduced to numbers once after the loop (no host sync per micro-batch).
+        loss_total, clipped, ratio_dev = (torch.zeros((), device=self.device) for _ in range(3))
         for sl in self._micro_batches(len(batch.ids)):
             logprobs = sequence_logprobs(self.model, batch.ids[sl], batch.attention[sl], cfg.rollout.temperature)
             loss, loss_metrics = policy_loss(
@@ -342,12 +347,16 @@ class Trainer:
                 num_tokens=n_tokens,
             )
             loss.backward()
-            loss_total += float(loss.detach())
-            clip_frac += float(loss_metrics["policy/clip_frac"]) * float(mask[sl].sum()) / float(n_tokens)
             with torch.no_grad():
-                deviation = (logprobs - batch.old_logprobs[sl]).exp().sub(1).abs()[mask[sl].bool()]
-                ratio_dev = max(ratio_dev, float(deviation.max()) if deviation.numel() else 0.0)
-        return {"train/loss": loss_total, "train/clip_frac": clip_frac, "train/ratio_abs_dev_max": ratio_dev}
+                loss_total = loss_total + loss.detach()
+                clipped = clipped + loss_metrics["policy/clip_frac"] * mask[sl].sum()
+                deviation = (logprobs - batch.old_logprobs[sl]).exp().sub(1).abs()
+                ratio_dev = torch.maximum(ratio_dev, torch.where(mask[sl].bool(), deviation, 0.0).max())
+        return {
+            "train/loss": float(loss_total),
+            "train/clip_frac": float(clipped / n_tokens),
+            "train/ratio_abs_dev_max": float(ratio_dev),
+        }
 
     def update(self, groups: list[list[EpisodeResult]]) -> dict[str, float]:
         """Old log-probs, entropy and S2 (no grad), advantages, STARE weights, one clipped update."""
@@ -355,7 +364,7 @@ class Trainer:
         batch, metrics = self.prepare(groups)
 
         started = time.perf_counter()
-        surprisal = -batch.old_logprobs
+        surprisal = batch.surprisal
         high_pos = select_quadrants(surprisal, batch.advantages, batch.action_mask, cfg.stare.top_ratio, ("high+",))
         theory = batch_diagnostics(
             surprisal, batch.advantages, batch.action_mask, batch.entropy, batch.s2, high_pos["high+"]
