@@ -1,95 +1,106 @@
 """`python -m sandbox serve [--host H] [--port P] [--token T] [--config FILE] [options]`.
 
 Values come from, in increasing precedence: the defaults in `ServerSettings`/`PoolSettings`/`Limits`,
-the YAML `--config` file (same keys, `pool:` and `pool.limits:` nested), the `SANDBOX_TOKEN`
-environment variable, and the flags.
+the YAML `--config` file (ServerSettings' shape: `pool:` and `pool.limits:` nested; validated like the
+trainer's configs, so a misspelt key is an error naming file, line and the allowed keys), the
+`SANDBOX_TOKEN` environment variable, and the flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-
-import pydantic
-import yaml
+from typing import get_args
 
 from sandbox.app import ServerSettings, create_app
-from sandbox.isolation import detect_isolation
+from sandbox.configfile import ConfigError, load_config
+from sandbox.isolation import IsolationMode, detect_isolation
 
-# flag -> (section path, key) in ServerSettings
+# flag -> (dotted key in ServerSettings, help); defaults are read from ServerSettings() for the help text
 FLAGS = {
-    "host": ((), "host"),
-    "port": ((), "port"),
-    "token": ((), "token"),
-    "max_running": ((), "max_running"),
-    "max_waiting": ((), "max_waiting"),
-    "max_sessions": ((), "max_sessions"),
-    "session_idle_s": ((), "session_idle_s"),
-    "pool_size": (("pool",), "pool_size"),
-    "max_kernels": (("pool",), "max_kernels"),
-    "isolation": (("pool",), "isolation"),
-    "default_timeout_s": (("pool",), "default_timeout_s"),
-    "max_timeout_s": (("pool",), "max_timeout_s"),
-    "output_limit_chars": (("pool",), "output_limit_chars"),
-    "memory_mb": (("pool", "limits"), "memory_mb"),
-    "processes": (("pool", "limits"), "processes"),
-    "file_size_mb": (("pool", "limits"), "file_size_mb"),
-    "open_files": (("pool", "limits"), "open_files"),
+    "host": ("host", "bind address; any but loopback needs a token"),
+    "port": ("port", "TCP port"),
+    "token": ("token", "access token clients send as 'Authorization: Bearer ...' (default: $SANDBOX_TOKEN)"),
+    "max_running": ("max_running", "calls executing at once"),
+    "max_waiting": ("max_waiting", "calls queued for a slot; beyond it 429 with Retry-After"),
+    "max_sessions": ("max_sessions", "open stateful sessions; beyond it 503"),
+    "session_idle_s": ("session_idle_s", "seconds before an unused session is closed"),
+    "pool_size": ("pool.pool_size", "warm kernels kept ready"),
+    "max_kernels": ("pool.max_kernels", "kernels alive at once (sessions plus pool)"),
+    "isolation": ("pool.isolation", "auto: namespaces where they work, else process"),
+    "default_timeout_s": ("pool.default_timeout_s", "wall-clock limit of a call that names none"),
+    "max_timeout_s": ("pool.max_timeout_s", "the largest timeout_s a call may ask for"),
+    "output_limit_chars": ("pool.output_limit_chars", "stdout and stderr are each cut to this many characters"),
+    "memory_mb": ("pool.limits.memory_mb", "address space per kernel process, MiB"),
+    "processes": ("pool.limits.processes", "processes and threads per kernel"),
+    "file_size_mb": ("pool.limits.file_size_mb", "largest file a kernel may write, MiB"),
+    "open_files": ("pool.limits.open_files", "open files per kernel process"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sandbox", description="Python execution sandbox service")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the HTTP service")
-    serve.add_argument("--config", type=Path, help="YAML file with ServerSettings keys")
-    serve.add_argument("--host", help="bind address (default 127.0.0.1; others need a token)")
-    serve.add_argument("--port", type=int, help="port (default 8765)")
-    serve.add_argument("--token", help="access token (default: $SANDBOX_TOKEN)")
+def build_parser(prog: str = "python -m sandbox") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Python execution sandbox service")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="run the HTTP service",
+        description="Run the HTTP service. Values come from the flags, else --config FILE, else the defaults shown.",
+        epilog=CONFIG_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--config", type=Path, metavar="FILE", help="YAML file shaped like the example below")
     serve.add_argument("--require-isolation", action="store_true", help="refuse to start without namespaces")
-    serve.add_argument("--isolation", choices=["auto", "namespaces", "process"])
-    for name in FLAGS:
-        if name in {"host", "port", "token", "isolation"}:
-            continue
-        serve.add_argument(f"--{name.replace('_', '-')}", type=float if name.endswith("_s") else int)
+    defaults = dataclasses.asdict(ServerSettings())
+    for name, (key, text) in FLAGS.items():
+        default = functools.reduce(lambda node, part: node[part], key.split("."), defaults)
+        kind = str if isinstance(default, str) else float if isinstance(default, float) else int
+        shown = "" if name == "token" else f" (default: {default})"
+        options = {"choices": list(get_args(IsolationMode))} if name == "isolation" else {}
+        serve.add_argument(f"--{name.replace('_', '-')}", type=kind, help=text + shown, **options)
     return parser
 
 
+CONFIG_EXAMPLE = """\
+A --config file has ServerSettings' shape (unknown keys are refused; flags win over it):
+
+  host: 0.0.0.0        # not loopback: needs --token or $SANDBOX_TOKEN
+  port: 8765
+  max_running: 8
+  pool:
+    pool_size: 4
+    max_kernels: 64
+    max_timeout_s: 120
+    limits:
+      memory_mb: 4096
+      processes: 64
+"""
+
+
 def load_settings(args: argparse.Namespace) -> ServerSettings:
-    data: dict = {}
-    if args.config:
-        try:
-            data = yaml.safe_load(args.config.read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise SystemExit(f"sandbox: cannot read config {args.config}: {exc}") from None
-        if not isinstance(data, dict):
-            raise SystemExit(f"sandbox: {args.config}: the top level must be a mapping")
-    if os.environ.get("SANDBOX_TOKEN") and args.token is None:
-        data["token"] = os.environ["SANDBOX_TOKEN"]
-    for name, (path, key) in FLAGS.items():
+    """ServerSettings from the defaults, the --config file, $SANDBOX_TOKEN and the flags, in that order."""
+    values: dict[str, tuple[object, str]] = {}
+    if os.environ.get("SANDBOX_TOKEN"):
+        values["token"] = (os.environ["SANDBOX_TOKEN"], "$SANDBOX_TOKEN")
+    for name, (key, _) in FLAGS.items():
         value = getattr(args, name, None)
         if value is not None:
-            node = data
-            for part in path:
-                node = node.setdefault(part, {})
-            node[key] = value
+            values[key] = (value, f"--{name.replace('_', '-')}")
     if args.require_isolation:
-        data["require_isolation"] = True
+        values["require_isolation"] = (True, "--require-isolation")
     try:
-        return pydantic.TypeAdapter(ServerSettings).validate_python(data)
-    except pydantic.ValidationError as exc:
-        where = f" in {args.config}" if args.config else ""
-        lines = [f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()]
-        raise SystemExit(f"sandbox: invalid settings{where}:\n  " + "\n  ".join(lines)) from None
+        return load_config(ServerSettings, args.config, values=values)
+    except ConfigError as exc:
+        raise SystemExit(f"sandbox: {exc}") from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m sandbox") -> int:
+    args = build_parser(prog).parse_args(argv)
     settings = load_settings(args)
     if settings.require_isolation:
         if settings.pool.isolation == "process":

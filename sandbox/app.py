@@ -18,7 +18,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sandbox.kernels import KernelPool, PoolSettings, SandboxError, SessionStore, run_stateless
+from sandbox.kernels import KernelPool, PoolSettings, SandboxError, SessionStore, call_timeout, run_stateless
 from sandbox.schemas import ErrorResponse, ExecuteRequest, RunResult, SessionCreated
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -145,12 +145,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="stare-agent sandbox", version="1", lifespan=lifespan)
     app.state.pool, app.state.sessions, app.state.admission = pool, sessions, admission
 
+    def token_accepted(request: Request) -> bool:
+        given = request.headers.get("authorization", "")
+        return not settings.token or hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode())
+
     @app.middleware("http")
     async def check_token(request: Request, call_next):  # noqa: ANN202 - FastAPI middleware signature
-        if settings.token and request.url.path != "/healthz":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
-                return JSONResponse({"detail": "missing or wrong access token"}, status_code=401)
+        if request.url.path != "/healthz" and not token_accepted(request):
+            return JSONResponse({"detail": "missing or wrong access token"}, status_code=401)
         return await call_next(request)
 
     @app.exception_handler(Overloaded)
@@ -162,12 +164,12 @@ def create_app(settings: ServerSettings) -> FastAPI:
             headers={"Retry-After": "1"},
         )
 
-    def timeout_of(body: ExecuteRequest) -> float:
+    def timeout_of(body: ExecuteRequest) -> tuple[float, bool]:
         if len(body.code) > settings.max_code_chars:
             raise HTTPException(413, f"code has {len(body.code)} characters; the limit is {settings.max_code_chars}")
-        return min(body.timeout_s or settings.pool.default_timeout_s, settings.pool.max_timeout_s)
+        return call_timeout(settings.pool, body.timeout_s)
 
-    async def run(kind: str, call) -> RunResult:  # noqa: ANN001 - a coroutine factory
+    async def run(kind: str, call, timeout: tuple[float, bool]) -> RunResult:  # noqa: ANN001 - a coroutine factory
         async with admission.slot():
             started = time.perf_counter()
             try:
@@ -180,7 +182,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 )
         metrics.runs.labels(kind, result.status).inc()
         metrics.duration.labels(kind).observe(result.duration_ms / 1000)
-        return result
+        return result.model_copy(update={"timeout_s": timeout[0], "timeout_capped": timeout[1]})
 
     def unknown(session_id: str) -> HTTPException:
         return HTTPException(404, f"no session {session_id!r}: it was closed, expired, or never existed")
@@ -195,11 +197,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/sessions/{session_id}/execute", response_model=RunResult, responses=ERRORS)
     async def execute_in_session(session_id: str, body: ExecuteRequest) -> RunResult:
-        timeout_s = timeout_of(body)
+        timeout = timeout_of(body)
         if not sessions.exists(session_id):
             raise unknown(session_id)
         try:
-            return await run("session", lambda: sessions.execute(session_id, body.code, timeout_s))
+            return await run("session", lambda: sessions.execute(session_id, body.code, timeout[0]), timeout)
         except KeyError:  # closed or expired while waiting for a slot
             raise unknown(session_id) from None
 
@@ -211,13 +213,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/execute", response_model=RunResult, responses=ERRORS)
     async def execute_stateless(body: ExecuteRequest) -> RunResult:
-        timeout_s = timeout_of(body)
-        return await run("stateless", lambda: run_stateless(pool, body.code, timeout_s))
+        timeout = timeout_of(body)
+        return await run("stateless", lambda: run_stateless(pool, body.code, timeout[0]), timeout)
 
     @app.get("/healthz")
-    async def healthz() -> dict:
+    async def healthz(request: Request) -> dict:
         return {
             "status": "ok",
+            "token_accepted": token_accepted(request),
             "isolation": pool.isolation.as_dict() if pool.isolation else None,
             "sessions": len(sessions),
             "pool_ready": pool.ready_count,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -53,13 +54,31 @@ def _check(response: httpx.Response, url: str) -> httpx.Response:
     return response
 
 
+def check_url(url: str) -> str:
+    """`url` without a trailing slash, or ValueError saying what is wrong with it (scheme, host)."""
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        example = "http://" + url.strip().split("://")[-1] if url.strip() else "http://127.0.0.1:8765"
+        raise ValueError(f"URL {url!r} must be http(s)://HOST[:PORT], e.g. {example!r}")
+    return url.strip().rstrip("/")
+
+
 class _Common:
     def __init__(self, base_url: str, token: str | None, retries: int, backoff_s: float, timeout_s: float):
-        self.base_url = base_url.rstrip("/")
+        self.base_url = check_url(base_url)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
+
+    def _checked(self, health: dict[str, Any]) -> Any:
+        if health.get("token_accepted") is False:
+            given = "a wrong" if self.headers else "no"
+            raise SandboxUnavailable(
+                f"{self.base_url} refuses {given} access token (HTTP 401 on every call): pass the server's token "
+                "(sandbox.token, --sandbox-token or SANDBOX_TOKEN)"
+            )
+        return self
 
     def _body(self, code: str, timeout_s: float | None) -> dict[str, Any]:
         return {"code": code} if timeout_s is None else {"code": code, "timeout_s": timeout_s}
@@ -113,6 +132,10 @@ class SandboxClient(_Common):
 
     def health(self) -> dict[str, Any]:
         return self._request("GET", "/healthz").json()
+
+    def start(self) -> SandboxClient:
+        """Check now that the service answers and accepts the token, rather than at the first tool call."""
+        return self._checked(self.health())
 
     def create_session(self) -> str:
         return self._request("POST", "/v1/sessions").json()["session_id"]
@@ -171,6 +194,10 @@ class AsyncSandboxClient(_Common):
     async def health(self) -> dict[str, Any]:
         return (await self._request("GET", "/healthz")).json()
 
+    async def start(self) -> AsyncSandboxClient:
+        """Check now that the service answers and accepts the token, rather than at the first tool call."""
+        return self._checked(await self.health())
+
     async def create_session(self) -> str:
         return (await self._request("POST", "/v1/sessions")).json()["session_id"]
 
@@ -224,32 +251,36 @@ class InProcessClient:
         return await self._guard(self.sessions.create)
 
     async def execute(self, code: str, session_id: str | None = None, timeout_s: float | None = None) -> RunResult:
-        from sandbox.kernels import SandboxError, run_stateless
+        from sandbox.kernels import SandboxError, call_timeout, run_stateless
 
-        settings = self.pool.settings
-        timeout = min(timeout_s or settings.default_timeout_s, settings.max_timeout_s)
+        timeout, capped = call_timeout(self.pool.settings, timeout_s)
         if session_id is not None and not self.sessions.exists(session_id):
             raise SessionNotFound(session_id)
         started = time.perf_counter()
         try:
             if session_id is None:
                 async with self._running:
-                    return await run_stateless(self.pool, code, timeout)
-            return await self.sessions.execute(session_id, code, timeout)
+                    result = await run_stateless(self.pool, code, timeout)
+            else:
+                result = await self.sessions.execute(session_id, code, timeout)
         except SandboxError as exc:  # as the HTTP service answers it
             elapsed = (time.perf_counter() - started) * 1000
-            return RunResult(
+            result = RunResult(
                 status="sandbox_error", error={"name": "SandboxError", "message": str(exc)}, duration_ms=elapsed
             )
         except KeyError:
             raise SessionNotFound(session_id) from None
+        return result.model_copy(update={"timeout_s": timeout, "timeout_capped": capped})
 
     async def close_session(self, session_id: str) -> None:
         await self.sessions.close(session_id)
 
     async def close(self) -> None:
-        await self.sessions.close_all()
-        await self.pool.close()
+        """Close the sessions, then stop every kernel and remove the scratch dirs (also if cancelled meanwhile)."""
+        try:
+            await self.sessions.close_all()
+        finally:
+            await self.pool.close()
 
     async def __aenter__(self) -> InProcessClient:
         return await self.start()

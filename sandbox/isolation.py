@@ -9,14 +9,22 @@ Always enforced ("process" mode and "namespaces" mode):
   processes (RLIMIT_NPROC), file size (RLIMIT_FSIZE), open files (RLIMIT_NOFILE), no core dumps;
 - a scrubbed environment (`kernel_env`): nothing of the server's environment (tokens, keys) reaches
   the kernel, not even when the server passes its own environment to jupyter_client;
-- a private scratch dir (mode 0700) as working dir, HOME and TMPDIR, removed with `remove_scratch`.
+- a private scratch dir (mode 0700) as working dir, HOME and TMPDIR, removed with `remove_scratch`;
+- the kernel dies with the process that started it (on Linux): its first process gets the parent-death
+  signal SIGKILL (`setpriv --pdeathsig KILL`, or `_PDEATHSIG_EXEC` where setpriv lacks that option), so a
+  server or in-process pool that is SIGKILLed or crashes, skipping its own clean-up, takes its kernels
+  along at once. The signal fires when the *thread* that started the kernel ends, not the process:
+  a pool must live in one event loop whose thread outlives it (asyncio.run in the main thread, uvicorn's
+  loop, a test client's portal thread); kernels started from a thread that then ends are killed.
 
 Enforced only in "namespaces" mode (root and util-linux `unshare` needed; `detect_isolation` probes):
 - no network: own network namespace whose only interface, loopback, is down (kernels talk to the
   server over IPC sockets in the scratch dir, which need no network); own IPC namespace;
 - own PID namespace: the kernel cannot see or signal the server, other kernels or any host process;
   when the kernel dies or is killed, every process it started dies with it (also those that left its
-  process group), and orphans are reaped meanwhile;
+  process group), and orphans are reaped meanwhile. The parent-death signal is set on `unshare`, and
+  `unshare --kill-child` passes the death on to the namespace's PID 1, so the whole namespace dies with
+  the server too;
 - read-only file system outside the scratch dir (own mount namespace; `/proc` is the namespace's own,
   `/dev/shm` a small private tmpfs);
 - a dedicated unprivileged uid per kernel (`UID_BASE + slot`, no passwd entry, no supplementary
@@ -32,12 +40,15 @@ Not isolated, in any mode:
 - total memory: RLIMIT_AS caps each process, so a kernel with `processes` processes may use up to
   `processes * memory_mb` (no cgroup is used); the scratch dir has no size limit, only a per-file one;
 - the kernel shares the host kernel (a kernel exploit escapes all of this);
-- a namespace kernel outlives a server that crashes (its `unshare` keeps running): a new server should
-  call `kill_uid_processes` for each slot's uid before using the slot.
+- a server that dies without its clean-up (SIGKILL, a crash) leaves its kernels' scratch dirs (and the
+  pool's scratch root) behind: the kernels die, but only a later owner can remove what is left. A server
+  killed in the microseconds between forking a kernel's first process and setpriv's prctl leaves that
+  kernel running; `kill_uid_processes` ends such a namespace kernel by its slot's uid.
 In "process" mode the kernel also runs as the server's uid with the server's view of the network and
 file system (so kernels can read each other's scratch dirs and connection files), RLIMIT_NPROC counts
-all processes of that uid (root is exempt from it entirely), and a kernel's children can outlive it;
-the kernel exits when the server does.
+all processes of that uid (root is exempt from it entirely), and a kernel's children can outlive it
+(the kernel itself dies with the server; ipykernel's parent poller also ends it within a second, also
+where there is no parent-death signal).
 """
 
 from __future__ import annotations
@@ -135,6 +146,7 @@ def detect_isolation(requested: IsolationMode = "auto") -> Isolation:
     RuntimeError saying why), "auto" the best that works here. The probe runs once per process."""
     if requested not in _MODES:
         raise ValueError(f"isolation must be one of {', '.join(_MODES)}; got {requested!r}")
+    _setpriv_with_pdeathsig()  # probed here, once, so that kernel_argv never waits for it in an event loop
     if requested == "process":
         return _PROCESS
     problem = _namespace_problem()
@@ -183,7 +195,8 @@ def kernel_argv(isolation: Isolation, limits: Limits, uid: int | None, python: s
     """The kernelspec argv; "{connection_file}" occurs once and jupyter_client substitutes it.
 
     With namespaces the kernel runs as `uid` (UID_BASE + slot, required); in process mode `uid` is
-    ignored and the kernel runs as the server's uid.
+    ignored and the kernel runs as the server's uid. The argv is for a kernel this process starts: the
+    kernel dies when the thread that starts it ends (see the module docstring).
     """
     namespaces = isolation.mode == "namespaces"
     if namespaces and (uid is None or isinstance(uid, bool) or not isinstance(uid, int) or uid <= 0):
@@ -206,13 +219,56 @@ def _launcher_argv(namespaces: bool, limits: Limits, uid: int | None, python: st
     ]
     if probe:
         launch.append("--probe")
+    die_with_owner = _die_with_parent(python)
     if not namespaces:
-        return [*launch, "--", "{connection_file}"]
+        return [*die_with_owner, *launch, "--", "{connection_file}"]
     # --fork makes the launcher PID 1 of the new PID namespace (it stays as the kernel's init); --kill-child
     # SIGKILLs it if unshare dies, which takes every process of the namespace along.
     unshare = shutil.which("unshare") or "unshare"
     ns = [unshare, "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc", "--mount", "--"]
-    return [*ns, *launch, f"--uid={uid}", "--readonly-root", "--", "{connection_file}"]
+    return [*die_with_owner, *ns, *launch, f"--uid={uid}", "--readonly-root", "--", "{connection_file}"]
+
+
+# Runs its argv after the pid with the parent-death signal SIGKILL; for a setpriv without --pdeathsig
+# (util-linux < 2.33). If the parent died before prctl, no signal will ever come: then exit instead.
+_PDEATHSIG_EXEC = """
+import ctypes, os, sys
+prctl = ctypes.CDLL(None, use_errno=True).prctl
+prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+if prctl(1, 9, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG, SIGKILL
+    sys.exit(f"sandbox: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(ctypes.get_errno())}")
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("sandbox: the process that started this kernel has exited")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _die_with_parent(python: str) -> list[str]:
+    """The argv prefix that makes what follows get SIGKILL when the thread that starts it (in this process) ends.
+
+    PR_SET_PDEATHSIG survives exec (unshare, the launcher, the kernel), but not a change of uid: the launcher
+    sets it again after dropping root. Only Linux has it; elsewhere ipykernel's parent poller is all there is.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    setpriv = _setpriv_with_pdeathsig()
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", "KILL", "--"]
+    return [python, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid())]
+
+
+@functools.lru_cache(maxsize=1)
+def _setpriv_with_pdeathsig() -> str | None:
+    """util-linux `setpriv` if it is on PATH and knows --pdeathsig (2.33 and later), else None."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    try:
+        argv = [setpriv, "--pdeathsig", "KILL", "--", sys.executable, "-I", "-S", "-c", ""]
+        done = subprocess.run(argv, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return setpriv if done.returncode == 0 else None
 
 
 def kernel_env(scratch: Path) -> dict[str, str]:
@@ -272,8 +328,9 @@ def _make_removable(directory: Path) -> None:
 def kill_uid_processes(uid: int) -> int:
     """SIGKILL every process of real uid `uid` visible here; returns how many were killed.
 
-    A kernel's processes all die with it in namespace mode; this is for kernels left behind by a
-    server that crashed (call it for each slot's uid before reusing the slot).
+    A kernel's processes all die with it in namespace mode, and the kernel dies with its server; this is
+    for a kernel left behind all the same (see "Not isolated" above): call it for each slot's uid before
+    reusing the slot.
     """
     if uid == 0 or uid == os.getuid():
         raise ValueError(f"refusing to kill the processes of uid {uid} (root or the server's own uid)")

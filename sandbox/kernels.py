@@ -13,19 +13,26 @@ process every run (slower: one kernel start per call).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
+import os
 import queue
 import random
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
+import zmq.asyncio
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
@@ -43,6 +50,7 @@ from sandbox.isolation import (
 from sandbox.schemas import ErrorInfo, RunResult
 
 log = logging.getLogger("sandbox")
+T = TypeVar("T")
 
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # Runs after a stateless call: forget the user's names, empty the scratch dir, restore cwd (warm-up follows).
@@ -166,12 +174,14 @@ class Kernel:
 
     def __init__(self, manager: AsyncKernelManager, scratch: Path, slot: int):
         self.manager = manager
-        self.client = manager.client()
+        self.client = manager.client(context=manager.context)
         self.scratch = scratch
         self.slot = slot
         self.runs = 0  # stateless runs served, resets and warm-up not counted
         self.reuse_limit = 0  # stateless runs before replacement; set by the pool
         self.dead = False
+        self.closing = False  # shutdown() was called
+        self._stopping = asyncio.Lock()
 
     async def execute(self, code: str, timeout_s: float, settings: PoolSettings) -> RunResult:
         """Run `code`; never raises for anything the code does."""
@@ -201,6 +211,17 @@ class Kernel:
                 break
             try:
                 msg = await self.client.get_iopub_msg(timeout=0.1)
+            except asyncio.CancelledError:
+                # shutdown() stopped the channels under this call (the pool is closing): that cancels the poll,
+                # but the caller asked for no cancellation and gets a result
+                if not self.closing or _cancel_requested():
+                    raise
+                self.dead = True
+                message = "the sandbox shut down while this code ran; its kernel was stopped"
+                elapsed = (time.perf_counter() - started) * 1000
+                return RunResult(
+                    status="sandbox_error", error=ErrorInfo(name="SandboxClosed", message=message), duration_ms=elapsed
+                )
             except queue.Empty:
                 if not await self.manager.is_alive():
                     self.dead = True
@@ -261,10 +282,32 @@ class Kernel:
             await self.manager.interrupt_kernel()
 
     async def shutdown(self) -> None:
-        with contextlib.suppress(Exception):
-            self.client.stop_channels()
-        with contextlib.suppress(Exception):
-            await self.manager.shutdown_kernel(now=True)
+        """Kill the kernel's processes and remove its scratch dir. Calls wait for one another, and a later call
+        does the work again: a kernel whose start was still launching it at the first call is killed by the next.
+        """
+        self.closing = True
+        async with self._stopping:
+            with contextlib.suppress(Exception):
+                self.client.stop_channels()
+            heartbeat = getattr(self.client, "_hb_channel", None)  # a thread: must not outlive the context below
+            if heartbeat is not None and heartbeat.is_alive():  # stop_channels failed before reaching it
+                with contextlib.suppress(Exception):
+                    heartbeat.stop()
+            if self.manager.has_kernel:
+                with contextlib.suppress(Exception):
+                    await self.manager.shutdown_kernel(now=True)
+            remove_scratch(self.scratch)
+            # Frees the kernel's sockets; in a daemon thread, so a zmq_ctx_term that blocks holds up nothing.
+            threading.Thread(target=self.manager.context.destroy, kwargs={"linger": 0}, daemon=True).start()
+
+    def kill_now(self) -> None:
+        """`shutdown` without an event loop: SIGKILL the kernel's process group, reap it, remove the scratch dir."""
+        process = getattr(self.manager.provisioner, "process", None)  # jupyter_client's LocalProvisioner: a Popen
+        if process is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(process.pid, signal.SIGKILL)  # its own group: jupyter_client starts it in a new session
+            with contextlib.suppress(Exception):
+                process.wait(timeout=5)
         remove_scratch(self.scratch)
 
 
@@ -281,15 +324,29 @@ class KernelPool:
         self._refilling = False
         self._resetting = 0  # stateless kernels being reset in the background
         self._closed = False
+        # Every kernel whose process may exist: starting, ready, in use (session or stateless run) or resetting.
+        self._kernels: set[Kernel] = set()
         self._owns_root = not settings.scratch_root
-        self._root = Path(settings.scratch_root or tempfile.mkdtemp(prefix="sandbox-"))
+        self._root: Path | None = Path(settings.scratch_root) if settings.scratch_root else None
         self._specs: KernelSpecManager | None = None
         self.kernels_started = 0
         self.start_failures = 0
 
     async def start(self) -> None:
+        """Probe the isolation, make the scratch root and start filling the pool; on failure (or cancellation)
+        everything made so far is removed again."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> None:
         self.isolation = await asyncio.to_thread(detect_isolation, self.settings.isolation)
+        if self._root is None:  # made here, not in __init__: a pool never started leaves nothing on disk
+            self._root = Path(tempfile.mkdtemp(prefix="sandbox-"))
         self._root.mkdir(parents=True, exist_ok=True)
+        atexit.register(self._remove_leftovers)
         self._root.chmod(0o711)  # kernels running as other uids must reach their own scratch dirs
         spec_dir = self._root / "kernelspec" / "sandbox"
         spec_dir.mkdir(parents=True, exist_ok=True)
@@ -318,6 +375,8 @@ class KernelPool:
         When every kernel already exists (more concurrent calls than max_kernels), wait for one to be given
         back or for a slot to free up, up to startup_timeout_s: a burst of calls queues instead of failing.
         """
+        if self._closed:
+            raise SandboxError("the kernel pool is closed (the sandbox is shutting down)")
         self._refill()
         deadline = time.monotonic() + self.settings.startup_timeout_s
         waited = False  # a reset takes milliseconds, a kernel start half a second: wait for a reset once
@@ -365,27 +424,56 @@ class KernelPool:
             else:
                 await self.discard(kernel)
         except BaseException:
-            await asyncio.shield(self.discard(kernel))
+            await _run_to_end(self.discard(kernel))
             raise
         finally:
             self._resetting = max(0, self._resetting - 1)
 
     async def discard(self, kernel: Kernel) -> None:
-        await kernel.shutdown()
+        await self._stop(kernel)
         async with self._slot_freed:
             self._free_slots.append(kernel.slot)
             self._slot_freed.notify()
         self._refill()
 
     async def close(self) -> None:
+        """Kill every kernel of the pool and remove every scratch dir, whatever the kernels are doing.
+
+        Also kernels that are starting, resetting, or held by a session or a stateless run whose caller will never
+        give them back: asyncio.run, interrupted (Ctrl-C, or SIGTERM turned into an exception by the CLI), cancels
+        every task at once, those callers too. Goes on to the end when the calling task is cancelled meanwhile.
+        """
         self._closed = True
+        await _run_to_end(self._close())
+
+    async def _close(self) -> None:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*(self._stop(kernel) for kernel in list(self._kernels)), return_exceptions=True)
         while not self._ready.empty():
-            await self._ready.get_nowait().shutdown()
-        if self._owns_root:
+            self._ready.get_nowait()
+        if self._owns_root and self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
+        atexit.unregister(self._remove_leftovers)
+
+    def _remove_leftovers(self) -> None:
+        """At interpreter exit, if close() has not finished: kill the kernels, remove the scratch dirs, no loop needed.
+
+        close() cannot finish when the event loop is closed under it. That happens when a KeyboardInterrupt (or the
+        CLI's SIGTERM/SIGHUP exception) is raised inside a task: asyncio stores it in the task and raises it out of
+        the loop again from every task that awaits it, also while asyncio.run is cancelling tasks at the end, and
+        then closes the loop with close() half done. The kernels would die with this process anyway (isolation:
+        parent-death signal); their scratch dirs would not.
+        """
+        for kernel in list(self._kernels):
+            kernel.kill_now()
+        if self._owns_root and self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    async def _stop(self, kernel: Kernel) -> None:
+        await kernel.shutdown()
+        self._kernels.discard(kernel)
 
     def _refill(self) -> None:
         if self._closed or self._refilling or self._ready.qsize() >= self.settings.pool_size:
@@ -410,33 +498,43 @@ class KernelPool:
 
     async def _start_kernel(self) -> Kernel:
         assert self._specs is not None and self.isolation is not None, "KernelPool.start() was not awaited"
+        if self._closed:
+            raise SandboxError("the kernel pool is closed (the sandbox is shutting down)")
         async with self._slot_freed:
             if not self._free_slots:
                 raise _NoFreeSlot(f"all {self.settings.max_kernels} kernels are in use")
             slot = self._free_slots.pop(0)
         uid = UID_BASE + slot if self.isolation.unprivileged_user else None
         scratch = make_scratch(self._root, uid)
-        manager = _SandboxKernelManager(kernel_name="sandbox", kernel_spec_manager=self._specs)
+        # The kernel's own zmq context, made here so that jupyter_client does not own it: it would destroy it in
+        # the event loop's thread, and zmq_ctx_term can block for good there (once seen for a client stopped
+        # mid-start). Kernel.shutdown destroys it in a daemon thread instead.
+        manager = _SandboxKernelManager(
+            kernel_name="sandbox", kernel_spec_manager=self._specs, context=zmq.asyncio.Context()
+        )
         manager.sandbox_argv = kernel_argv(self.isolation, self.settings.limits, uid)
         manager.transport = "ipc"
         manager.ip = str(scratch / "ipc")
         manager.connection_file = str(scratch / "kernel.json")
         kernel = Kernel(manager, scratch, slot)
+        self._kernels.add(kernel)
         # Spread retirements: with one shared limit, kernels used in turn all retire in the same second and
         # every waiting call starts a kernel (docs/sandbox.md, stateless at concurrency 32).
         reuse = self.settings.stateless_reuse
         kernel.reuse_limit = random.randint((reuse + 1) // 2, reuse) if reuse else 0
         try:
             await asyncio.wait_for(manager.start_kernel(env=kernel_env(scratch)), self.settings.startup_timeout_s)
-            kernel.client = manager.client()
+            kernel.client = manager.client(context=manager.context)
             kernel.client.start_channels()
             await kernel.client.wait_for_ready(timeout=self.settings.startup_timeout_s)
             warm = await kernel.execute(self.settings.warmup_code, self.settings.startup_timeout_s, self.settings)
             if warm.status != "ok":
                 raise SandboxError(f"warm-up failed: {warm.error.message if warm.error else warm.status}")
+            if self._closed:  # close() ran while this kernel started and may have found no process yet
+                raise SandboxError("the kernel pool was closed while this kernel started")
         except BaseException as exc:  # including cancellation at shutdown: never leave a process behind
-            self.start_failures += not isinstance(exc, asyncio.CancelledError)
-            await asyncio.shield(kernel.shutdown())
+            self.start_failures += not isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt))
+            await _run_to_end(self._stop(kernel))
             async with self._slot_freed:
                 self._free_slots.append(slot)
             if isinstance(exc, (SandboxError, asyncio.CancelledError)) or not isinstance(exc, Exception):
@@ -506,10 +604,43 @@ class SessionStore:
         await asyncio.gather(*(self.close(sid) for sid in list(self._sessions)), return_exceptions=True)
 
 
+def call_timeout(settings: PoolSettings, requested: float | None) -> tuple[float, bool]:
+    """The limit a call runs under: its own timeout_s or the default, capped at max_timeout_s; and whether capped."""
+    wanted = requested or settings.default_timeout_s
+    return min(wanted, settings.max_timeout_s), wanted > settings.max_timeout_s
+
+
 async def run_stateless(pool: KernelPool, code: str, timeout_s: float) -> RunResult:
     kernel = await pool.acquire()
     kernel.runs += 1
     try:
         return await kernel.execute(code, timeout_s, pool.settings)
+    except BaseException:
+        kernel.dead = True  # cancelled mid-run, the code may still be running: replace the kernel, do not reset it
+        raise
     finally:
         pool.give_back_later(kernel)
+
+
+def _cancel_requested() -> bool:
+    """Whether the current task is being cancelled (Python 3.11 tells; before, assume it is)."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return cancelling is None or cancelling() > 0
+
+
+async def _run_to_end(work: Awaitable[T]) -> T:
+    """Await `work` to its end even if the caller is cancelled meanwhile, then pass the cancellation on.
+
+    For clean-up: `asyncio.shield` stops waiting at the caller's first cancellation, and asyncio.run, once its
+    main task is done, closes the loop with the shielded work pending -- kernels alive, scratch dirs left.
+    """
+    task = asyncio.ensure_future(work)
+    interrupted = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            interrupted = True
+    if interrupted:
+        raise asyncio.CancelledError
+    return task.result()

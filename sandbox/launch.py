@@ -20,6 +20,14 @@ every process orphaned in the namespace and exits with the kernel's status, whic
 left. The kernel is not PID 1 because PID 1 ignores all signals it has no handler for, so the
 server's SIGTERM would be lost (see _init). The init costs one small interpreter per kernel. Without a
 PID namespace the launcher execs the kernel in its own place.
+
+Death of the server: the first process of the argv (`unshare`, or this launcher in process mode) runs
+with the parent-death signal SIGKILL (isolation._die_with_parent). With namespaces, `unshare --kill-child`
+gives PID 1 the same signal for unshare's death, step 4 keeps it across the change of uid, and PID 1's
+death ends the namespace: nothing survives a server that is SIGKILLed or crashes. In process mode the
+signal survives the exec into the kernel, which dies at once (ipykernel's parent poller, given the
+server's pid, would end it within a second too); processes the kernel started may outlive it. The
+scratch dirs of such a server stay on disk: nobody is left to remove them.
 """
 
 from __future__ import annotations
@@ -90,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if os.getpid() == 1:
         return _init(connection_file, env)
-    # The kernel exits when its parent, the server, goes away.
+    # The parent-death signal set before this launcher started survives the exec; ipykernel's poll of its
+    # parent is the second guard (and the only one where there is no prctl).
     kernel = _kernel_argv(connection_file, parent=os.getppid())
     _step(f"start the kernel {sys.executable}", os.execve, sys.executable, kernel, env)
     return 1  # not reached: execve replaced this process

@@ -39,6 +39,12 @@ class RunResult(BaseModel):
     error: ErrorInfo | None = Field(default=None, description="Set for every status except ok.")
     truncated: bool = Field(default=False, description="stdout or stderr was cut to the output cap (head + tail).")
     duration_ms: float = Field(description="Time spent running this call, queueing excluded.")
+    timeout_s: float | None = Field(
+        default=None, description="The wall-clock limit this call ran under (the request's, or the server's default)."
+    )
+    timeout_capped: bool = Field(
+        default=False, description="The request asked for more than the server's max_timeout_s, which applied instead."
+    )
 
 
 class SessionCreated(BaseModel):

@@ -7,11 +7,18 @@ written into the run directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import textwrap
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import yaml
 
+from sandbox.configfile import fields_of
 from stare_agent.config import (
     ConfigError,
     EvalConfig,
@@ -35,28 +42,48 @@ COMMANDS: dict[str, tuple[type, str]] = {
 CONFIGS: dict[str, type] = {name: config_class for name, (config_class, _) in COMMANDS.items()}
 
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="YAML config file (defaults apply to keys it omits)")
-    parser.epilog = "Any number of section.key=value overrides may follow, before or after --config."
+def _add_config_args(parser: argparse.ArgumentParser, command: str | None = None) -> None:
+    parser.add_argument("--config", metavar="FILE", help="optional YAML file; each key in it replaces that key only")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, applied after --config")
+    if command is None:
+        return
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    lines = [f"keys of `{command}` (`stare-agent config {command} [--config FILE] [overrides]` prints every value):"]
+    for name, annotation in fields_of(CONFIGS[command]).items():
+        if dataclasses.is_dataclass(annotation):
+            keys = ", ".join(fields_of(annotation))
+            lines += textwrap.wrap(f"{name}.: {keys}", 100, initial_indent="  ", subsequent_indent="      ")
+    top = ", ".join(n for n, a in fields_of(CONFIGS[command]).items() if not dataclasses.is_dataclass(a))
+    if top:
+        lines += textwrap.wrap(f"top level: {top}", 100, initial_indent="  ", subsequent_indent="      ")
+    example = {"sft": "optim.lr=3e-5 epochs=3", "rl": "stare.w=1.2 rollout.group_size=16", "eval": "k=8"}
+    lines.append(f"example: stare-agent {command} --config FILE {example.get(command, 'run.seed=1')}")
+    parser.epilog = "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stare-agent", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of a failure (also: STARE_AGENT_DEBUG=1); by default an expected "
+        "failure (bad config or data, unreachable sandbox, interrupt) prints one line",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     simulate = sub.add_parser("simulate", help="STARE dynamics on a toy task: GRPO vs STARE entropy curves")
-    _add_config_args(simulate)
+    _add_config_args(simulate, "simulate")
 
     sft = sub.add_parser("sft", help="cold-start SFT on tool-use transcripts (masked next-token loss)")
-    _add_config_args(sft)
+    _add_config_args(sft, "sft")
     rl = sub.add_parser("rl", help="multi-turn RL: GRPO-ds with STARE (stare.enabled=false for plain GRPO-ds)")
-    _add_config_args(rl)
+    _add_config_args(rl, "rl")
     evaluate = sub.add_parser("eval", help="tool-integrated evaluation: avg@k and pass@k per benchmark")
-    _add_config_args(evaluate)
+    _add_config_args(evaluate, "eval")
     quickstart = sub.add_parser(
-        "quickstart", help="tiny model, synthetic data, SFT, GRPO-ds and STARE, eval, plots (CPU, ~15 min)"
+        "quickstart", help="tiny model, synthetic data, SFT, GRPO-ds and STARE, eval, plots (~22 min on 2 CPU cores)"
     )
-    _add_config_args(quickstart)
+    _add_config_args(quickstart, "quickstart")
     plot = sub.add_parser("plot", help="redraw the plots of an RL run or a quickstart folder from its metrics")
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("--target-entropy", type=float, default=None, help="H_tgt line (default: from config.yaml)")
@@ -85,9 +112,32 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
         parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
         parser.add_argument("--difficulty", type=_int_list, default=[1, 2, 3], help="e.g. 1,2 (default: 1,2,3)")
         parser.add_argument("--families", type=lambda s: s.split(","), default=None, help=", ".join(FAMILIES))
-    sft.add_argument("--error-fraction", type=float, default=0.25, help="transcripts that fix a typo (default 0.25)")
-    sft.add_argument("--sandbox-url", default=None, help="a running sandbox service; default: in-process kernels")
+    sft.add_argument(
+        "--error-fraction", type=_fraction, default=0.25, help="share of transcripts that fix an error (default 0.25)"
+    )
+    sft.add_argument(
+        "--sandbox-url", type=_url, default=None, help="a running sandbox service; default: in-process kernels"
+    )
     sft.add_argument("--sandbox-token", default=None, help="its token (or set SANDBOX_TOKEN)")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _url(text: str) -> str:
+    from sandbox.client import check_url
+
+    try:
+        return check_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -121,8 +171,9 @@ def _data(args: argparse.Namespace) -> int:
                 token = args.sandbox_token or os.environ.get("SANDBOX_TOKEN")
                 client = AsyncSandboxClient(args.sandbox_url, token)
             else:
-                client = await InProcessClient(PoolSettings(pool_size=4)).start()
+                client = InProcessClient(PoolSettings(pool_size=4))
             try:
+                await client.start()
                 return await make_sft_rows(problems, client, seed=args.seed, error_fraction=args.error_fraction)
             finally:
                 await client.close()
@@ -171,24 +222,79 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[list[int]]:
+    """While a command runs, SIGTERM and SIGHUP stop it the way Ctrl-C does; yields the signals received.
+
+    The signal is handed to whatever handles SIGINT at that moment: inside `asyncio.run` that cancels the
+    main task, so every `finally` (kernels, scratch folders) runs before KeyboardInterrupt reaches `main`;
+    elsewhere Python's handler raises KeyboardInterrupt at once. Only the first signal counts: a second one
+    (a process manager signalling the whole group) would interrupt the clean-up the first one started.
+    """
+    received: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if received:
+            return
+        received.append(signum)
+        on_sigint = signal.getsignal(signal.SIGINT)
+        if not callable(on_sigint):  # SIGINT ignored or left to the OS: stop anyway
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        on_sigint(signal.SIGINT, frame)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "sandbox":  # the service parses its own options (python -m sandbox ...)
         from sandbox.__main__ import main as sandbox_main
 
-        return sandbox_main(argv[1:])
+        return sandbox_main(argv[1:], prog="stare-agent sandbox")
     parser = build_parser()
     # Overrides are the leftover `key=value` words, so they may stand before or after --config.
     args, extra = parser.parse_known_args(argv)
     bad = [word for word in extra if "=" not in word or word.startswith("-")]
     if bad or (extra and args.command not in CONFIGS and args.command != "config"):
         parser.error(f"unrecognized arguments: {' '.join(bad or extra)} (overrides look like section.key=value)")
-    args.overrides = extra
+    args.overrides = [*(getattr(args, "overrides", None) or []), *extra]
+    bad = [word for word in args.overrides if "=" not in word]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)} (overrides look like section.key=value)")
+    debug = args.debug or os.environ.get("STARE_AGENT_DEBUG", "") not in ("", "0")
+    received: list[int] = []
     try:
-        return HANDLERS[args.command](args)
-    except (ConfigError, DataError) as exc:
-        print(f"stare-agent {args.command}: {exc}", file=sys.stderr)
-        return 2
+        with _stop_on_signals() as received:
+            return HANDLERS[args.command](args)
+    except Exception as exc:  # noqa: BLE001 - expected failures become one line, anything else a traceback
+        expected = _expected_failure(exc)
+        if expected is None or debug:
+            raise
+        code, message = expected
+        print(f"stare-agent {args.command}: {message}", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        signum = received[0] if received else signal.SIGINT
+        print(f"stare-agent {args.command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+
+
+def _expected_failure(exc: Exception) -> tuple[int, str] | None:
+    """(exit code, one-line message) for a failure that is the input's or the environment's, not a bug."""
+    from sandbox.client import SandboxUnavailable
+
+    if isinstance(exc, (ConfigError, DataError)):
+        return 2, str(exc)
+    if isinstance(exc, SandboxUnavailable):
+        return 3, f"sandbox unavailable: {exc}"
+    return None
 
 
 if __name__ == "__main__":

@@ -1,27 +1,23 @@
-"""Configs: dataclasses, YAML files, `section.key=value` overrides, validation.
+"""Configs: one root dataclass per command, loaded from YAML and `section.key=value` overrides.
 
-Each command has a root dataclass. A value comes from, in order of precedence: a command-line
-override, the YAML file, the field's default (the only place a default is written). Types are
-checked and converted by pydantic against the dataclass annotations, and each dataclass's
-`__post_init__` checks ranges; every error names the key, the allowed values and where the value
-came from (file:line or the override).
+Loading and validation are `sandbox.configfile.load_config` (shared with the sandbox service): a value
+comes from an override, else the YAML file, else the root dataclass's default, and a key changes
+exactly that key (the quickstart's `sft.epochs=3` keeps every other quickstart `sft` value). Each
+default is written once, on its field; each dataclass's `__post_init__` checks ranges.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import difflib
-import types
-import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, Union
 
-import pydantic
 import yaml
 
+from sandbox.client import check_url
+from sandbox.configfile import ConfigError, load_config
 from stare_agent.agent import AgentConfig
 from stare_agent.stare import StareConfig
 
@@ -40,16 +36,10 @@ __all__ = [
     "StareConfig",
     "ToyTaskConfig",
     "load_config",
-    "make_run_dir",
+    "run_path",
     "save_config",
     "to_dict",
 ]
-
-C = TypeVar("C")
-
-
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message says which key, what is allowed and where."""
 
 
 @dataclass
@@ -196,6 +186,8 @@ class SandboxConfig:
     """In-process: kernels alive at once. Stateful episodes hold one each from their first call to their end."""
 
     def __post_init__(self) -> None:
+        if self.url:
+            check_url(self.url)
         if not 0 <= self.pool_size <= self.max_kernels:
             raise ValueError(f"pool_size must be in [0, max_kernels={self.max_kernels}]; got {self.pool_size}")
 
@@ -405,6 +397,20 @@ class TaskDataConfig:
     error_fraction: float = 0.2
     """SFT transcripts that hit an error in their first call and fix it."""
 
+    def __post_init__(self) -> None:
+        from stare_agent.tasks import FAMILIES
+
+        for name in ("sft_examples", "rl_prompts", "test_problems"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if not self.difficulty or any(level not in (1, 2, 3) for level in self.difficulty):
+            raise ValueError(f"difficulty must be a non-empty list of 1, 2, 3; got {self.difficulty}")
+        unknown = [name for name in self.families if name not in FAMILIES]
+        if unknown:
+            raise ValueError(f"families {unknown} are unknown; choose from {', '.join(FAMILIES)} (empty = all)")
+        if not 0.0 <= self.error_fraction <= 1.0:
+            raise ValueError(f"error_fraction must be in [0, 1]; got {self.error_fraction}")
+
 
 def _quickstart_agent() -> AgentConfig:
     # Stateless tools reuse warm kernels (~10 ms a call) where stateful sessions start a kernel per
@@ -461,163 +467,6 @@ class QuickstartConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# loading
-
-
-def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:
-    """Build a `cls` from defaults, an optional YAML file and `a.b=c` overrides, validated."""
-    data: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    if path is not None:
-        data, lines = _read_yaml(Path(path))
-        sources = {key: f"{path}:{line}" for key, line in lines.items()}
-        _check_keys(cls, data, sources, prefix="")
-    for item in overrides:
-        key, value = _parse_override(cls, item)
-        _set_path(data, key, value, where=f"override {item!r}")
-        sources[key] = f"command-line override {item!r}"
-    try:
-        return pydantic.TypeAdapter(cls).validate_python(data)
-    except pydantic.ValidationError as exc:
-        raise ConfigError(_describe(exc, sources, path)) from None
-
-
-def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """Mapping from the file, and the 1-based line of every (dotted) key in it."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    finally:
-        loader.dispose()
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections; got {type(data).__name__}")
-    lines: dict[str, int] = {}
-
-    def walk(n: yaml.Node, prefix: str) -> None:
-        if isinstance(n, yaml.MappingNode):
-            for key_node, value_node in n.value:
-                key = f"{prefix}{key_node.value}"
-                lines[key] = key_node.start_mark.line + 1
-                walk(value_node, key + ".")
-
-    walk(node, "")
-    return data, lines
-
-
-def _fields(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _unknown(key: str, known: Sequence[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"{where}: unknown key {key!r}{hint}; allowed here: {', '.join(known)}")
-
-
-def _check_keys(cls: type, data: dict[str, Any], sources: dict[str, str], prefix: str) -> None:
-    fields = _fields(cls)
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if key not in fields:
-            raise _unknown(dotted, list(fields), sources.get(dotted, "config"))
-        if dataclasses.is_dataclass(fields[key]) and isinstance(value, dict):
-            _check_keys(fields[key], value, sources, dotted + ".")
-
-
-def _parse_override(cls: type, item: str) -> tuple[str, Any]:
-    """`section.key=value` -> (dotted key, value converted by the field's type)."""
-    key, sep, raw = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"override {item!r} must look like section.key=value")
-    target: Any = cls
-    parts = key.split(".")
-    for depth, part in enumerate(parts):
-        if not (isinstance(target, type) and dataclasses.is_dataclass(target)):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth])} has no sub-keys")
-        fields = _fields(target)
-        if part not in fields:
-            raise _unknown(".".join(parts[: depth + 1]), list(fields), f"override {item!r}")
-        target = fields[part]
-    if dataclasses.is_dataclass(target):
-        raise ConfigError(f"override {item!r}: {key} is a section; set one of its keys, e.g. {key}.<key>=...")
-    return key, _convert(raw, target)
-
-
-def _convert(raw: str, annotation: Any) -> Any:
-    """Text from the command line -> a value for a field of this type (pydantic then checks it)."""
-    try:
-        parsed = yaml.safe_load(raw) if raw.strip() else raw
-    except yaml.YAMLError:
-        parsed = raw
-    if (
-        _admits_str(annotation)
-        and not isinstance(parsed, (dict, list))
-        and not (parsed is None and _admits_none(annotation))
-    ):
-        return raw  # "123" stays a name, "1e-3" stays text, for str-typed fields
-    return parsed
-
-
-def _members(annotation: Any) -> tuple[Any, ...]:
-    origin = get_origin(annotation)
-    if origin is Union or origin is types.UnionType:
-        return get_args(annotation)
-    return (annotation,)
-
-
-def _admits_str(annotation: Any) -> bool:
-    for member in _members(annotation):
-        if member is str or (get_origin(member) is Literal and all(isinstance(a, str) for a in get_args(member))):
-            return True
-    return False
-
-
-def _admits_none(annotation: Any) -> bool:
-    return type(None) in _members(annotation)
-
-
-def _set_path(data: dict[str, Any], key: str, value: Any, where: str) -> None:
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{where}: {part} is set to a value, not a section, in the config file")
-        node = child
-    node[leaf] = value
-
-
-def _describe(exc: pydantic.ValidationError, sources: dict[str, str], path: str | Path | None) -> str:
-    """One line per wrong key: where it came from, the key, what is allowed, what was given."""
-    lines, seen = [], set()
-    for err in exc.errors():
-        # Drop pydantic's union-member tags ("literal['O1',...]") and "[key]" markers from the location.
-        parts = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or "(" in p))]
-        key = ".".join(parts)
-        if key in seen:
-            continue
-        seen.add(key)
-        if err["type"] == "value_error":  # a whole-section check (__post_init__): cite what set keys in it
-            inside = [src for k, src in sources.items() if not key or k.startswith(key + ".")]
-            where = ", ".join(sorted(set(inside))) or sources.get(key) or (str(path) if path else "defaults")
-        else:
-            where = sources.get(key, str(path) if path else "defaults")
-        message = err["msg"].removeprefix("Value error, ")
-        given = "" if err["type"] == "value_error" else f" (got {err['input']!r})"
-        lines.append(f"{where}: {key or '<root>'}: {message}{given}")
-    return "invalid config:\n  " + "\n  ".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------
 # saving
 
 
@@ -628,12 +477,13 @@ def to_dict(config: Any) -> dict[str, Any]:
 def save_config(config: Any, run_dir: str | Path) -> Path:
     """Write the resolved config as `config.yaml` in the run directory; it loads back to an equal config."""
     out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     return out
 
 
-def make_run_dir(run: RunConfig, command: str) -> Path:
+def run_path(run: RunConfig, command: str) -> Path:
+    """The run directory's path, not yet created: commands make it (save_config) once their inputs check out,
+    so a run that fails on a bad model path, data file or sandbox leaves no folder behind."""
     name = run.name or f"{command}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M%S}"
-    path = Path(run.output_dir) / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Path(run.output_dir) / name

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from stare_agent.config import SimulateConfig, StareConfig, ToyTaskConfig, make_run_dir, save_config
+from stare_agent.config import SimulateConfig, StareConfig, ToyTaskConfig, run_path, save_config
 from stare_agent.loss import group_advantages, policy_loss
 from stare_agent.stare import StareController, select_quadrants
 from stare_agent.theory import REGIMES, batch_diagnostics, entropy_and_s2, phi
@@ -198,7 +198,7 @@ def plot(run_dir: Path, config: SimulateConfig, results: dict[str, list[dict[str
 
 def run(config: SimulateConfig) -> Path:
     """Train every variant of the sweep; write simulate.csv, summary.json, plots and config.yaml."""
-    run_dir = make_run_dir(config.run, "simulate")
+    run_dir = run_path(config.run, "simulate")
     save_config(config, run_dir)
     results = {}
     started = time.perf_counter()

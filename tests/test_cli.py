@@ -84,3 +84,92 @@ def test_data_make_tasks_and_make_sft(tmp_path, tiny_tokenizer):
     assert "Traceback" not in bad.stderr
     wrong_suffix = run_cli("data", "make-tasks", "--out", str(tmp_path / "x.csv"), "--n", "2")
     assert wrong_suffix.returncode == 2 and "must end in .jsonl or .parquet" in wrong_suffix.stderr
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_line(out: subprocess.CompletedProcess) -> str:
+    """The failure message: exactly one line on stderr, no traceback."""
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    return out.stderr
+
+
+def test_expected_failures_print_one_line_and_leave_no_run_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where runs/ would appear
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    out = run_cli("data", "make-sft", "--n", "2", "--out", "x.jsonl", "--sandbox-url", unreachable)
+    assert out.returncode == 3 and f"cannot reach {unreachable}" in one_line(out)
+    out = run_cli("sft", "run.threads=1")
+    assert out.returncode == 2 and "model.path is not set" in one_line(out)
+    out = run_cli("rl", "sandbox.url=localhost:8765")
+    assert out.returncode == 2 and "sandbox.url" in one_line(out) and "'http://localhost:8765'" in out.stderr
+    out = run_cli("rl", f"model.path={tmp_path}")
+    assert out.returncode == 2 and "is not a Hugging Face model folder" in one_line(out)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "x.jsonl").exists()
+
+
+def test_bad_arguments_are_usage_errors():
+    out = run_cli("data", "make-sft", "--n", "2", "--out", "x.jsonl", "--error-fraction", "1.5")
+    assert out.returncode == 2 and "expected a number in [0, 1], got '1.5'" in out.stderr
+    out = run_cli("data", "make-sft", "--n", "2", "--out", "x.jsonl", "--sandbox-url", "localhost:8765")
+    assert out.returncode == 2 and "must be http(s)://HOST[:PORT]" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    out = run_cli("--debug", "simulate", "stare.gate=btach")
+    assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+    monkeypatch.setenv("STARE_AGENT_DEBUG", "1")
+    assert "Traceback" in run_cli("simulate", "stare.gate=btach").stderr
+
+
+def test_a_wrong_sandbox_token_is_one_line_before_any_work(tmp_path):
+    import os
+    import time
+
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "SANDBOX_TOKEN": "right"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "sandbox", "serve", "--port", str(port), "--pool-size", "0"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        out = run_cli("data", "make-sft", "--n", "2", "--out", str(tmp_path / "x.jsonl"), "--sandbox-url", url)
+        assert out.returncode == 3 and "refuses no access token" in one_line(out)
+        out = run_cli(
+            "data", "make-sft", "--n", "2", "--out", str(tmp_path / "x.jsonl"), "--sandbox-url", url,
+            "--sandbox-token", "wrong",
+        )  # fmt: skip
+        assert out.returncode == 3 and "refuses a wrong access token" in one_line(out)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def test_help_of_a_config_command_lists_its_keys():
+    out = run_cli("rl", "--help")
+    assert out.returncode == 0
+    assert "stare.: enabled, op, top_ratio, w," in out.stdout and "stare-agent config rl" in out.stdout
+    assert "top level: steps, save_every, resume" in out.stdout
+    assert run_cli("sandbox", "--help").stdout.startswith("usage: stare-agent sandbox")
+    serve = run_cli("sandbox", "serve", "--help").stdout
+    assert "--pool-size POOL_SIZE" in serve and "(default: 4)" in serve and "pool_size: 4" in serve

@@ -113,3 +113,53 @@ def test_training_configs_save_and_load_back_equal(tmp_path, command):
 
     config = load_config(CONFIGS[command], None, ["run.seed=3"])
     assert load_config(CONFIGS[command], save_config(config, tmp_path)) == config
+
+
+# A key changes exactly that key: a section the root fills with its own defaults keeps them.
+NESTED = [
+    ("sft.epochs", "3", lambda c: c.sft.epochs),
+    ("sft.optim.warmup_steps", "7", lambda c: c.sft.optim.warmup_steps),
+    ("rl.stare.w", "4.0", lambda c: c.rl.stare.w),
+    ("rl.agent.max_tool_calls", "2", lambda c: c.rl.agent.max_tool_calls),
+    ("eval.k", "2", lambda c: c.eval.k),
+    ("eval.agent.tool_timeout_s", "1.5", lambda c: c.eval.agent.tool_timeout_s),
+]
+
+
+@pytest.mark.parametrize("source", ["override", "file"])
+@pytest.mark.parametrize(("key", "value", "read"), NESTED, ids=[k for k, _, _ in NESTED])
+def test_a_nested_quickstart_key_changes_only_that_key(tmp_path, source, key, value, read):
+    from stare_agent.config import QuickstartConfig, to_dict
+
+    if source == "override":
+        config = load_config(QuickstartConfig, None, [f"{key}={value}"])
+    else:
+        *sections, leaf = key.split(".")
+        text = "".join(f"{'  ' * depth}{name}:\n" for depth, name in enumerate(sections))
+        config = load_config(QuickstartConfig, write(tmp_path, text + f"{'  ' * len(sections)}{leaf}: {value}\n"))
+    assert read(config) == type(read(config))(value)
+    changed, expected = to_dict(config), to_dict(QuickstartConfig())
+    node = expected
+    for part in key.split(".")[:-1]:
+        node = node[part]
+    node[key.split(".")[-1]] = read(config)
+    assert changed == expected
+
+
+def test_a_key_keeps_the_default_a_parent_gives_its_section(tmp_path):
+    from stare_agent.config import RLConfig
+
+    config = load_config(RLConfig, write(tmp_path, "optim:\n  warmup_steps: 5\n"))
+    assert (config.optim.warmup_steps, config.optim.lr) == (5, 1e-6)  # lr: RLConfig's own default, not OptimConfig's
+    assert load_config(RLConfig, None, ["optim.warmup_steps=5"]).optim.lr == 1e-6
+    empty = load_config(RLConfig, write(tmp_path, "optim:\nstare:\n  w: 2\n"))  # an empty section changes nothing
+    assert empty.optim == RLConfig().optim and empty.stare.w == 2.0
+
+
+def test_a_dict_field_is_replaced_whole(tmp_path):
+    from stare_agent.config import EvalConfig
+
+    config = load_config(
+        EvalConfig, write(tmp_path, "k_per_benchmark: {aime24: 16}\n"), ["k_per_benchmark={amc23: 8}"]
+    )
+    assert config.k_per_benchmark == {"amc23": 8}

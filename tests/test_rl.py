@@ -147,7 +147,6 @@ def test_update_aligns_targets_and_applies_stare(tmp_path, tiny_model_dir, promp
     assert metrics["stare/frac_high_pos"] > 0
     assert metrics["theory/regime"] in ("rising", "needs_w", "no_w_helps", "undefined")
     assert metrics["train/ratio_abs_dev_max"] < 1e-5  # on-policy: the update's ratio is 1
-    trainer.log.close()
 
 
 def test_stare_weights_reach_the_gradient(tmp_path, tiny_model_dir, prompts):
@@ -163,7 +162,6 @@ def test_stare_weights_reach_the_gradient(tmp_path, tiny_model_dir, prompts):
     plain, _ = gradient(trainer, dataclasses.replace(batch, weights=ones))
     assert torch.allclose(weighted, folded, rtol=1e-5, atol=1e-7)
     assert (weighted - plain).norm() > 1e-2 * plain.norm()
-    trainer.log.close()
 
 
 def test_surprisal_ranking_picks_the_least_likely_sampled_tokens(tmp_path, tiny_model_dir, prompts):
@@ -182,7 +180,6 @@ def test_surprisal_ranking_picks_the_least_likely_sampled_tokens(tmp_path, tiny_
     expected = {(row, t) for _, row, t in sorted(candidates)[:k]}
     chosen = {tuple(i) for i in (batch.weights > 1).nonzero().tolist()}
     assert chosen == expected
-    trainer.log.close()
 
 
 def test_token_mean_is_over_the_whole_batch(tmp_path, tiny_model_dir, prompts):
@@ -199,7 +196,6 @@ def test_token_mean_is_over_the_whole_batch(tmp_path, tiny_model_dir, prompts):
     for micro in (1, 3):
         assert torch.allclose(results[micro][0], results[64][0], rtol=1e-5, atol=1e-7)
         assert results[micro][1]["train/loss"] == pytest.approx(results[64][1]["train/loss"], rel=1e-5)
-    trainer.log.close()
 
 
 def _surrogate_by_hand(model, batch, temperature, eps_low, eps_high):
@@ -240,7 +236,6 @@ def test_update_is_the_clip_higher_surrogate_by_hand(tmp_path, tiny_model_dir, p
     assert torch.allclose(got, by_hand(0.7, 0.2, 0.28), rtol=1e-4, atol=1e-7)
     for other in (by_hand(0.7, 0.2, 0.2), by_hand(0.7, 0.28, 0.28), by_hand(1.0, 0.2, 0.28)):
         assert (got - other).norm() > 1e-3 * got.norm()
-    trainer.log.close()
 
 
 def test_advantages_are_normalized_within_each_group(tmp_path, tiny_model_dir, prompts):
@@ -255,7 +250,6 @@ def test_advantages_are_normalized_within_each_group(tmp_path, tiny_model_dir, p
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
         expected += [(r - mean) / (std + 1e-6) for r in rewards]
     assert batch.advantages.tolist() == pytest.approx(expected, rel=1e-6)
-    trainer.log.close()
 
 
 def test_rl_at_temperature_scores_the_sampled_distribution(tmp_path, tiny_model_dir, prompts, varied_reward):
@@ -275,7 +269,6 @@ def test_a_rollout_trainer_mismatch_warns_once(tmp_path, tiny_model_dir, prompts
         assert metrics["train/rollout_logprob_abs_diff"] == pytest.approx(0.3, abs=1e-4)
     err = capsys.readouterr().err
     assert err.count("rl: warning") == 1 and "0.3 nats on average" in err and "top-k/top-p" in err
-    trainer.log.close()
 
 
 def test_rl_runs_without_dropout_so_the_update_is_on_policy(tmp_path, tiny_model_dir, prompts, capsys):
@@ -289,7 +282,6 @@ def test_rl_runs_without_dropout_so_the_update_is_on_policy(tmp_path, tiny_model
     assert "dropout is off for RL" in capsys.readouterr().out
     metrics = trainer.update(own_episodes(trainer.model))
     assert metrics["train/ratio_abs_dev_max"] < 1e-5 and metrics["train/clip_frac"] == 0.0
-    trainer.log.close()
 
 
 def test_top_p_below_one_is_refused_in_rl(tmp_path, tiny_model_dir, prompts):
@@ -369,4 +361,3 @@ def test_dynamic_sampling_drops_equal_and_sandbox_groups_and_refills(tmp_path, t
     else:
         assert len(seen) == 3 and metrics["rollout/groups_dropped_equal"] == 0
         assert len(kept) == 3 - seen.count("broken")
-    trainer.log.close()

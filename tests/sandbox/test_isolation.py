@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -27,6 +28,7 @@ from sandbox.isolation import (
     UID_BASE,
     Isolation,
     Limits,
+    _die_with_parent,
     detect_isolation,
     kernel_argv,
     kernel_env,
@@ -195,11 +197,14 @@ def test_process_isolation_reports_only_what_it_enforces():
 
 def test_kernel_argv_has_one_connection_file_placeholder():
     process = kernel_argv(detect_isolation("process"), Limits(), uid=None)
-    assert process[:3] == [sys.executable, "-m", "sandbox.launch"]
+    launch = process.index("sandbox.launch") - 2  # after the parent-death prefix (setpriv or _PDEATHSIG_EXEC)
+    assert process[launch : launch + 3] == [sys.executable, "-m", "sandbox.launch"]
+    assert process[:launch] == _die_with_parent(sys.executable) != []
     assert process.count("{connection_file}") == 1 and process[-2:] == ["--", "{connection_file}"]
     namespaces = Isolation("namespaces", True, True, True, True, True, True, True)
     argv = kernel_argv(namespaces, Limits(), uid=UID_BASE + 3)
     assert argv.count("{connection_file}") == 1
+    assert argv[: launch + 1] == [*_die_with_parent(sys.executable), shutil.which("unshare") or "unshare"]
     assert {"--net", "--pid", "--fork", "--mount-proc", f"--uid={UID_BASE + 3}", "--readonly-root"} <= set(argv)
     with pytest.raises(ValueError, match="needs a kernel uid > 0"):
         kernel_argv(namespaces, Limits(), uid=None)

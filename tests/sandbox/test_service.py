@@ -268,7 +268,11 @@ def test_token_required_off_loopback_and_checked():
         assert httpx.post(f"{srv.url}/v1/execute", json={"code": "1"}).status_code == 401
         with SandboxClient(srv.url, token="wrong", retries=0) as bad, pytest.raises(SandboxUnavailable, match="401"):
             bad.execute("1")
+        for token, says in [("wrong", "refuses a wrong access token"), (None, "refuses no access token")]:
+            with SandboxClient(srv.url, token=token) as bad, pytest.raises(SandboxUnavailable, match=says):
+                bad.start()  # found before the first call, without retries
         with SandboxClient(srv.url, token="s3cret") as good:
+            assert good.start() is good
             assert good.execute("print(2)").stdout == "2\n"
             leaked = good.execute("import os; print(os.environ.get('SANDBOX_TOKEN'))")
             assert leaked.stdout == "None\n"
@@ -379,9 +383,21 @@ def test_many_sessions_in_parallel(server: Server):
         assert outs == [f"{i * 100 + j}\n" for j in range(20)]
 
 
+def test_a_timeout_above_the_maximum_is_capped_and_says_so(client: SandboxClient):
+    asked = client.execute("1", timeout_s=500)
+    assert (asked.status, asked.timeout_s, asked.timeout_capped) == ("ok", 120.0, True)  # the server's max_timeout_s
+    default = client.execute("1")
+    assert (default.timeout_s, default.timeout_capped) == (10.0, False)
+    sid = client.create_session()
+    assert client.execute("1", sid, timeout_s=2.5).timeout_s == 2.5
+    client.close_session(sid)
+
+
 def test_in_process_client_same_interface():
     async def go() -> None:
-        async with InProcessClient(PoolSettings(pool_size=1, default_timeout_s=5)) as client:
+        async with InProcessClient(PoolSettings(pool_size=1, default_timeout_s=5, max_timeout_s=8)) as client:
+            capped = await client.execute("1", timeout_s=9)
+            assert (capped.timeout_s, capped.timeout_capped) == (8.0, True)
             sid = await client.create_session()
             await client.execute("z = 3", sid)
             assert (await client.execute("print(z * 2)", sid)).stdout == "6\n"

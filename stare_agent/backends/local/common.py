@@ -38,6 +38,11 @@ def load_model(config: ModelConfig, path: str | Path | None = None) -> tuple[Any
     the `gguf` and `accelerate` packages), on the configured device and dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if not (path or config.path):
+        raise ConfigError(
+            "model.path is not set: give a Hugging Face model folder or a .gguf file (model.path=DIR), e.g. "
+            "model/ or sft/checkpoints/step-NNNNNN/ in the folder of a `stare-agent quickstart` run"
+        )
     target = Path(path or config.path)
     folder, extra = target, {}
     if target.suffix == ".gguf" and target.is_file():

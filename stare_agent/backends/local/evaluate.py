@@ -10,7 +10,7 @@ from stare_agent.backends.local.common import load_model, make_client, seed_ever
 from stare_agent.backends.local.generation import HFGenerator
 from stare_agent.backends.local.vllm_generation import VLLMGenerator
 from stare_agent.backends.local.vllm_generation import available as vllm_available
-from stare_agent.config import ConfigError, EvalConfig, make_run_dir, save_config
+from stare_agent.config import ConfigError, EvalConfig, run_path, save_config
 from stare_agent.data import Problem, load_benchmark, load_problems
 from stare_agent.eval import BenchmarkReport, evaluate, write_reports
 
@@ -64,17 +64,16 @@ def make_generator(config: EvalConfig) -> tuple[Any, Any]:
 
 def run(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport]:
     """Evaluate; writes results.json, results.md, per-set JSON and sample transcripts into the run directory."""
-    run_dir = run_dir or make_run_dir(config.run, "eval")
-    save_config(config, run_dir)
+    run_dir = run_dir or run_path(config.run, "eval")  # made once the sets, the model and the sandbox check out
     seed_everything(config.run.seed)
     sets = problem_sets(config)
     generator, tokenizer = make_generator(config)
 
     async def all_sets() -> list[BenchmarkReport]:
         client = make_client(config.sandbox, config.batch_size if config.agent.tool_mode == "stateful" else 0)
-        if hasattr(client, "start"):
-            await client.start()
         try:
+            await client.start()
+            save_config(config, run_dir)
             return [
                 await evaluate(
                     problems,

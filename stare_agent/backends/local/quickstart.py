@@ -23,7 +23,7 @@ from typing import Any
 from stare_agent import plots
 from stare_agent.backends.local import evaluate, rl, sft
 from stare_agent.backends.local.common import make_client, read_metrics
-from stare_agent.config import QuickstartConfig, RunConfig, make_run_dir, save_config
+from stare_agent.config import QuickstartConfig, RunConfig, run_path, save_config
 from stare_agent.data import write_records
 from stare_agent.models import build_tiny_model, tiny_corpus
 from stare_agent.stare import StareConfig
@@ -94,7 +94,7 @@ def run_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _make_data(config: QuickstartConfig, data_dir: Path) -> dict[str, Path]:
+def _make_data(config: QuickstartConfig, run_dir: Path) -> dict[str, Path]:
     tasks, seed = config.tasks, config.run.seed
     common = {"difficulty": tasks.difficulty, "families": tasks.families or None}
     sft_problems = generate_tasks(tasks.sft_examples, seed=seed, split="train", **common)
@@ -103,8 +103,9 @@ def _make_data(config: QuickstartConfig, data_dir: Path) -> dict[str, Path]:
 
     async def transcripts() -> list[dict[str, Any]]:
         client = make_client(config.rl.sandbox)
-        await client.start()
         try:
+            await client.start()
+            save_config(config, run_dir)  # the run starts once the sandbox answers
             return await make_sft_rows(
                 sft_problems,
                 client,
@@ -119,6 +120,7 @@ def _make_data(config: QuickstartConfig, data_dir: Path) -> dict[str, Path]:
     def prompts(problems):
         return [{"id": p.id, "problem": p.problem, "answer": p.answer, "meta": p.meta} for p in problems]
 
+    data_dir = run_dir / "data"
     return {
         "sft": write_records(data_dir / "sft.jsonl", asyncio.run(transcripts())),
         "rl": write_records(data_dir / "rl_train.jsonl", prompts(rl_problems)),
@@ -127,8 +129,7 @@ def _make_data(config: QuickstartConfig, data_dir: Path) -> dict[str, Path]:
 
 
 def run(config: QuickstartConfig) -> Path:
-    run_dir = make_run_dir(config.run, "quickstart")
-    save_config(config, run_dir)
+    run_dir = run_path(config.run, "quickstart")
     seed = config.run.seed
     timings: dict[str, float] = {}
 
@@ -137,7 +138,7 @@ def run(config: QuickstartConfig) -> Path:
 
     started = time.perf_counter()
     print("quickstart 1/5: synthetic tasks and SFT transcripts (code run in the sandbox)")
-    files = _make_data(config, run_dir / "data")
+    files = _make_data(config, run_dir)
     timings["data"] = time.perf_counter() - started
 
     started = time.perf_counter()

@@ -48,7 +48,7 @@ from stare_agent.backends.local.common import (
     stream_indices,
 )
 from stare_agent.backends.local.generation import HFGenerator
-from stare_agent.config import ConfigError, RLConfig, make_run_dir, save_config
+from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
 from stare_agent.loss import group_advantages, policy_loss
 from stare_agent.stare import StareController, select_quadrants
@@ -152,8 +152,7 @@ class Trainer:
 
     def __init__(self, config: RLConfig):
         self.config = config
-        self.run_dir = make_run_dir(config.run, "rl")
-        save_config(config, self.run_dir)
+        self.run_dir = run_path(config.run, "rl")  # made by open_log, once the sandbox answers too
         seed_everything(config.run.seed)
         self.checkpoint = resolve_resume(config.resume, self.run_dir)
         self.model, self.tokenizer = load_model(config.model, self.checkpoint)
@@ -186,7 +185,11 @@ class Trainer:
             set_rng_state(state["rng"])
             self.step, self.cursor = state["step"], state["cursor"]
             print(f"rl: resumed from {self.checkpoint} at step {self.step}")
-        self.log = MetricsLog(self.run_dir, resume_step=self.step if self.checkpoint is not None else None)
+
+    def open_log(self) -> MetricsLog:
+        """Create the run directory with config.yaml, and the metrics log in it."""
+        save_config(self.config, self.run_dir)
+        return MetricsLog(self.run_dir, resume_step=self.step if self.checkpoint is not None else None)
 
     def _load_problems(self) -> list[Problem]:
         data, agent = self.config.data, self.config.agent
@@ -390,8 +393,12 @@ class Trainer:
         cfg = self.config
         episodes = cfg.rollout.prompts_per_step * cfg.rollout.group_size
         client = make_client(cfg.sandbox, episodes if cfg.agent.tool_mode == "stateful" else 0)
-        if hasattr(client, "start"):
+        try:
             await client.start()
+        except BaseException:
+            await client.close()
+            raise
+        log = self.open_log()
         timed = TimedClient(client)
         last = self.checkpoint
         bar = progress(cfg.steps, "rl", initial=self.step)
@@ -416,7 +423,7 @@ class Trainer:
                 metrics["train/updated"] = float(bool(groups))
                 metrics["time/step"] = time.perf_counter() - step_started
                 self.step += 1
-                self.log.write(self.step, metrics)
+                log.write(self.step, metrics)
                 bar.update(1)
                 bar.set_postfix(
                     acc=f"{metrics['rollout/accuracy']:.2f}",
@@ -429,7 +436,7 @@ class Trainer:
                     last = self.save()
         finally:
             bar.close()
-            self.log.close()
+            log.close()
             await client.close()
         if last is None:
             last = self.save()

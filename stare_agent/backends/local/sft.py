@@ -30,7 +30,7 @@ from stare_agent.backends.local.common import (
     set_rng_state,
     stream_indices,
 )
-from stare_agent.config import SFTConfig, make_run_dir, save_config
+from stare_agent.config import SFTConfig, run_path, save_config
 from stare_agent.data import DataError, SFTExample, load_sft
 from stare_agent.theory import token_logprobs
 
@@ -83,8 +83,7 @@ def eval_loss(model, examples: list[SFTExample], batch_size: int, pad_id: int, d
 
 def run(config: SFTConfig) -> Path:
     """Train; returns the final checkpoint folder (a Hugging Face model folder)."""
-    run_dir = make_run_dir(config.run, "sft")
-    save_config(config, run_dir)
+    run_dir = run_path(config.run, "sft")
     seed_everything(config.run.seed)
     checkpoint = resolve_resume(config.resume, run_dir)
     model, tokenizer = load_model(config.model, checkpoint)
@@ -123,6 +122,7 @@ def run(config: SFTConfig) -> Path:
         set_rng_state(state["rng"])
         step = state["step"]
         print(f"sft: resumed from {checkpoint} at step {step}")
+    save_config(config, run_dir)  # the run starts here: model, data and resume point all checked out
     log = MetricsLog(run_dir, resume_step=step if checkpoint is not None else None)
     pad_id = tokenizer.pad_token_id
 
