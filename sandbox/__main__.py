@@ -22,6 +22,9 @@ from sandbox.app import ServerSettings, create_app
 from sandbox.configfile import ConfigError, load_config
 from sandbox.isolation import IsolationMode, detect_isolation
 
+SERVER_KEEPALIVE_S = 60.0
+"""Seconds an idle HTTP connection stays open on the server; several times the clients' KEEPALIVE_S."""
+
 # flag -> (dotted key in ServerSettings, help); defaults are read from ServerSettings() for the help text
 FLAGS = {
     "host": ("host", "bind address; any but loopback needs a token"),
@@ -114,7 +117,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sandbox") -> 
 
     shown = dataclasses.replace(settings, token="***" if settings.token else "")
     logging.getLogger("sandbox").info("starting with %s", shown)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    # Idle keep-alive connections live longer here than in our clients (KEEPALIVE_S): a request sent on a
+    # connection the server is closing at that moment fails after sending, and a session call cannot be retried.
+    app = create_app(settings)
+    keepalive = SERVER_KEEPALIVE_S
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_keep_alive=keepalive)
     return 0
 
 

@@ -21,6 +21,10 @@ from sandbox.schemas import RunResult
 
 T = TypeVar("T")
 RETRY_STATUS = {429, 503}
+KEEPALIVE_S = 10.0
+"""Idle connections are dropped after this, well before the server closes them (its keep-alive is 60 s): a
+request on a connection the server closes at that moment fails after sending and cannot be retried safely.
+(Both httpx and uvicorn default to 5 s, so under load such races happened.)"""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -115,7 +119,8 @@ class SandboxClient(_Common):
         timeout_s: float = 60.0,
     ):
         super().__init__(base_url, token, retries, backoff_s, timeout_s)
-        self._http = httpx.Client(base_url=self.base_url, headers=self.headers)
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, limits=limits)
 
     def _request(self, method: str, url: str, *, timeout_s: float | None = None, **kw: Any) -> httpx.Response:
         for attempt in range(self.retries + 1):
@@ -175,7 +180,9 @@ class AsyncSandboxClient(_Common):
         max_connections: int = 256,
     ):
         super().__init__(base_url, token, retries, backoff_s, timeout_s)
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
+        )
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, limits=limits)
 
     async def _request(self, method: str, url: str, *, timeout_s: float | None = None, **kw: Any) -> httpx.Response:
