@@ -54,11 +54,12 @@ def load_config(
         _check_keys(cls, cls, given, sources, prefix="")
         _merge(cls, data, given)
     for item in overrides:
-        key, value = _parse_override(cls, item)
-        _set_path(data, key, value, where=f"override {item!r}")
+        keys, value = _parse_override(cls, item)
+        _set_path(data, keys, value, where=f"override {item!r}")
+        key = ".".join(keys)
         sources[key] = f"command-line override {item!r}"
     for key, (value, where) in (values or {}).items():
-        _set_path(data, key, value, where=where)
+        _set_path(data, key.split("."), value, where=where)
         sources[key] = where
     try:
         return pydantic.TypeAdapter(cls).validate_python(data)
@@ -147,8 +148,12 @@ def _merge(cls: type, base: dict[str, Any], given: dict[str, Any]) -> None:
         base[key] = value  # a wrong type (a number for a section) is left for validation to report
 
 
-def _parse_override(cls: type, item: str) -> tuple[str, Any]:
-    """`section.key=value` -> (dotted key, value converted by the field's type)."""
+def _parse_override(cls: type, item: str) -> tuple[list[str], Any]:
+    """`section.key=value` -> (path of keys, value converted by the field's type).
+
+    Below a mapping field (`dict[str, X]`) the rest of the dotted key is one entry's key, dots and all:
+    `openrlhf.vllm.num_engines=8` sets the entry "vllm.num_engines" of the field `openrlhf`.
+    """
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -156,6 +161,9 @@ def _parse_override(cls: type, item: str) -> tuple[str, Any]:
     target: Any = cls
     parts = key.split(".")
     for depth, part in enumerate(parts):
+        if get_origin(target) is dict and depth < len(parts):
+            entry = ".".join(parts[depth:])
+            return [*parts[:depth], entry], _convert(raw, get_args(target)[1])
         if not (isinstance(target, type) and dataclasses.is_dataclass(target)):
             raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth])} has no sub-keys")
         fields = fields_of(target)
@@ -164,7 +172,7 @@ def _parse_override(cls: type, item: str) -> tuple[str, Any]:
         target = fields[part]
     if dataclasses.is_dataclass(target):
         raise ConfigError(f"override {item!r}: {key} is a section; set one of its keys, e.g. {key}.<key>=...")
-    return key, _convert(raw, target)
+    return parts, _convert(raw, target)
 
 
 def _convert(raw: str, annotation: Any) -> Any:
@@ -200,8 +208,8 @@ def _admits_none(annotation: Any) -> bool:
     return type(None) in _members(annotation)
 
 
-def _set_path(data: dict[str, Any], key: str, value: Any, where: str) -> None:
-    *parents, leaf = key.split(".")
+def _set_path(data: dict[str, Any], path: Sequence[str], value: Any, where: str) -> None:
+    *parents, leaf = path
     node = data
     for part in parents:
         child = node.setdefault(part, {})

@@ -133,6 +133,18 @@ class SimulateConfig:
 # training and evaluation (the local backend)
 
 
+Backend = Literal["local", "openrlhf"]
+
+
+def _check_backend(backend: str, flags: dict[str, Any]) -> None:
+    if flags and backend != "openrlhf":
+        given = ", ".join(flags)
+        raise ValueError(f"openrlhf flags are given ({given}) but backend is {backend!r}; set backend: openrlhf")
+    for key in flags:
+        if key.startswith("-"):
+            raise ValueError(f"openrlhf flag {key!r}: write it without the leading dashes, e.g. {key.lstrip('-')!r}")
+
+
 @dataclass
 class ModelConfig:
     """The model to start from: a local Hugging Face folder (never a hub name: nothing is downloaded)."""
@@ -234,8 +246,14 @@ class SFTConfig:
     """Optimizer steps between checkpoints (0 = only at the end)."""
     resume: str = ""
     """A checkpoint folder to continue from, or 'auto' = the latest in this run directory."""
+    backend: Backend = "local"
+    """local: this process (CPU or one GPU); openrlhf: OpenRLHF's DeepSpeed SFT trainer with our masked dataset."""
+    openrlhf: dict[str, Any] = field(default_factory=dict)
+    """backend openrlhf: OpenRLHF's own flags, spelled as its CLI spells them without the leading '--'
+    (`ds.zero_stage: 3`), passed through verbatim and checked by its parser; keys we set are refused here."""
 
     def __post_init__(self) -> None:
+        _check_backend(self.backend, self.openrlhf)
         for name in ("epochs", "micro_batch_size", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -323,8 +341,14 @@ class RLConfig:
     """Steps between checkpoints (0 = only at the end)."""
     resume: str = ""
     """A checkpoint folder to continue from, or 'auto' = the latest in this run directory."""
+    backend: Backend = "local"
+    """local: this process (CPU or one GPU); openrlhf: Ray-scheduled DeepSpeed actors with vLLM rollouts."""
+    openrlhf: dict[str, Any] = field(default_factory=dict)
+    """backend openrlhf: OpenRLHF's own flags, spelled as its CLI spells them without the leading '--'
+    (`vllm.num_engines: 8`), passed through verbatim and checked by its parser; keys we set are refused here."""
 
     def __post_init__(self) -> None:
+        _check_backend(self.backend, self.openrlhf)
         if self.steps < 1 or self.save_every < 0:
             raise ValueError("steps must be >= 1 and save_every >= 0")
 

@@ -163,3 +163,18 @@ def test_a_dict_field_is_replaced_whole(tmp_path):
         EvalConfig, write(tmp_path, "k_per_benchmark: {aime24: 16}\n"), ["k_per_benchmark={amc23: 8}"]
     )
     assert config.k_per_benchmark == {"amc23": 8}
+
+
+def test_an_override_below_a_mapping_sets_one_entry_dots_and_all(tmp_path):
+    from stare_agent.config import EvalConfig, RLConfig
+
+    path = write(tmp_path, "backend: openrlhf\nopenrlhf:\n  ds.zero_stage: 3\n")
+    config = load_config(
+        RLConfig, path, ["openrlhf.vllm.num_engines=8", "openrlhf.actor.eps_clip_low_high=[0.2, 0.3]"]
+    )
+    assert config.openrlhf == {"ds.zero_stage": 3, "vllm.num_engines": 8, "actor.eps_clip_low_high": [0.2, 0.3]}
+    assert load_config(EvalConfig, None, ["k_per_benchmark.aime24=16"]).k_per_benchmark == {"aime24": 16}
+    with pytest.raises(ConfigError, match="but backend is 'local'; set backend: openrlhf"):
+        load_config(RLConfig, None, ["openrlhf.vllm.num_engines=8"])
+    with pytest.raises(ConfigError, match="without the leading dashes, e.g. 'vllm.num_engines'"):
+        load_config(RLConfig, None, ["backend=openrlhf", "openrlhf.--vllm.num_engines=8"])
