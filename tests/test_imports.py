@@ -46,3 +46,24 @@ def test_importing_the_math_loads_nothing_else():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+def test_only_the_openrlhf_backend_imports_the_cluster_stack():
+    """openrlhf, deepspeed and ray only under backends/openrlhf/; vllm there and in the local backend's optional
+    vLLM generator. Every import counts, also one inside a function."""
+    root = PACKAGE.parent
+    allowed = {
+        "openrlhf": set(),
+        "deepspeed": set(),
+        "ray": set(),
+        "vllm": {"stare_agent/backends/local/vllm_generation.py"},
+    }
+    offenders = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(root / "sandbox").rglob("*.py")]):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("stare_agent/backends/openrlhf/"):
+            continue
+        for name in imported_roots(path) & set(allowed):
+            if rel not in allowed[name]:
+                offenders.append(f"{rel} imports {name}")
+    assert offenders == []
