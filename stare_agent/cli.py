@@ -44,7 +44,8 @@ CONFIGS: dict[str, type] = {name: config_class for name, (config_class, _) in CO
 
 def _add_config_args(parser: argparse.ArgumentParser, command: str | None = None) -> None:
     parser.add_argument("--config", metavar="FILE", help="optional YAML file; each key in it replaces that key only")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides, applied after --config")
+    # Overrides are the words main() leaves over (a positional nargs="*" would swallow the subcommand's name).
+    parser.usage = "%(prog)s [options] [--config FILE] [section.key=value ...]"
     if command is None:
         return
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -78,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(sft, "sft")
     rl = sub.add_parser("rl", help="multi-turn RL: GRPO-ds with STARE (stare.enabled=false for plain GRPO-ds)")
     _add_config_args(rl, "rl")
+    for training in (sft, rl):
+        training.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="print the resolved config (backend openrlhf: also OpenRLHF's checked command line); start nothing",
+        )
     evaluate = sub.add_parser("eval", help="tool-integrated evaluation: avg@k and pass@k per benchmark")
     _add_config_args(evaluate, "eval")
     quickstart = sub.add_parser(
@@ -192,6 +199,15 @@ def _run(args: argparse.Namespace) -> int:
 
     config_class, module = COMMANDS[args.command]
     config = load_config(config_class, args.config, args.overrides)
+    if getattr(config, "backend", "local") == "openrlhf":
+        from stare_agent.backends.openrlhf import launch
+
+        launch.run(args.command, config, dry_run=args.dry_run)
+        return 0
+    if getattr(args, "dry_run", False):
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        print(f"# backend local: `stare-agent {args.command}` runs this in this process")
+        return 0
     set_threads(config.run)
     importlib.import_module(module).run(config)
     return 0
@@ -262,10 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [word for word in extra if "=" not in word or word.startswith("-")]
     if bad or (extra and args.command not in CONFIGS and args.command != "config"):
         parser.error(f"unrecognized arguments: {' '.join(bad or extra)} (overrides look like section.key=value)")
-    args.overrides = [*(getattr(args, "overrides", None) or []), *extra]
-    bad = [word for word in args.overrides if "=" not in word]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)} (overrides look like section.key=value)")
+    args.overrides = extra
     debug = args.debug or os.environ.get("STARE_AGENT_DEBUG", "") not in ("", "0")
     received: list[int] = []
     try:

@@ -173,3 +173,17 @@ def test_help_of_a_config_command_lists_its_keys():
     assert run_cli("sandbox", "--help").stdout.startswith("usage: stare-agent sandbox")
     serve = run_cli("sandbox", "serve", "--help").stdout
     assert "--pool-size POOL_SIZE" in serve and "(default: 4)" in serve and "pool_size: 4" in serve
+
+
+def test_dry_run_starts_nothing(tmp_path, monkeypatch):
+    import importlib.util
+
+    monkeypatch.chdir(tmp_path)
+    out = run_cli("rl", "--dry-run", "steps=7")
+    assert out.returncode == 0 and yaml.safe_load(out.stdout)["steps"] == 7 and "backend local" in out.stdout
+    out = run_cli("rl", "backend=openrlhf", "model.path=/m", "data.train_file=/d.jsonl", "--dry-run")
+    if importlib.util.find_spec("openrlhf") is None:
+        assert out.returncode == 2 and "needs openrlhf==0.11.2" in one_line(out)
+    else:
+        assert out.returncode == 0 and "--algo.advantage.estimator group_norm" in out.stdout
+    assert not (tmp_path / "runs").exists()

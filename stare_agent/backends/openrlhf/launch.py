@@ -1,0 +1,175 @@
+"""Our RL config -> OpenRLHF's train_ppo_ray command line: mapping, conflicts, refusals, and `--dry-run`.
+
+Our keys stay in our sections and are translated here (table in `rl_flags`); the `openrlhf:` block holds
+OpenRLHF's own flags, spelled as its CLI spells them, and is passed through verbatim. Both are checked by
+OpenRLHF's real parser (`upstream.capture_parser`). A flag of the block that one of our keys already sets is
+refused with the key to use instead, and so is every combination the STARE hooks do not support.
+
+Steps: OpenRLHF has no step count; it trains `len(prompts) * n // train.batch_size` steps per episode. With
+`train.batch_size = rollout.batch_size * n` (one on-policy update per batch) and `data.max_samples = steps *
+prompts_per_step`, its schedule has exactly `steps` steps. Dynamic filtering refills dropped groups from the
+same prompts, so a run whose groups are often all-equal makes fewer than `steps` updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+import shlex
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stare_agent.config import ConfigError, RLConfig, run_path, to_dict
+
+# OpenRLHF flags we refuse in the openrlhf block: (flag, allowed values or None for "never", why).
+REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
+    ("train.async_enable", (False,), "STARE and the on-policy ratio assume synchronous rollouts"),
+    ("train.partial_rollout_enable", (False,), "partial rollouts mix policies within a batch"),
+    ("train.dynamic_batch_enable", (False,), "untested with the STARE hooks"),
+    ("ds.ring_attn_size", (1,), "the entropy pass does not gather ring-attention shards (untested)"),
+    ("ds.tensor_parallel_size", (1,), "the entropy pass does not gather tensor-parallel logits (untested)"),
+    ("ckpt.disable_ds", (False,), "the STARE controller's state is saved in the DeepSpeed checkpoint"),
+    ("actor.entropy_coef", (None,), "an entropy bonus changes the loss STARE is defined on"),
+    ("data.apply_chat_template", (False,), "prompts are built by stare_agent.protocol (the same as SFT and eval)"),
+    ("reward.model_name_or_path", (None,), "the reward is the verifiable answer check of the agent executor"),
+    ("reward.remote_url", (None,), "the reward is the verifiable answer check of the agent executor"),
+    ("critic.model_name_or_path", (None,), "GRPO uses no critic"),
+]
+
+_SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr", "linear": "linear"}
+
+
+def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tuple[Any, str]]:
+    """OpenRLHF flag -> (value, the key of ours it comes from) for everything our config decides."""
+    r, o, loss = config.rollout, config.optim, config.loss
+    flags: dict[str, tuple[Any, str]] = {
+        "actor.model_name_or_path": (config.model.path, "model.path"),
+        "data.prompt_dataset": (config.data.train_file, "data.train_file"),
+        "data.input_key": (config.data.problem_field, "data.problem_field"),
+        "data.label_key": (config.data.answer_field, "data.answer_field"),
+        "data.max_len": (config.agent.max_total_tokens, "agent.max_total_tokens"),
+        "data.max_samples": (config.steps * r.prompts_per_step, "steps x rollout.prompts_per_step"),
+        "rollout.batch_size": (r.prompts_per_step, "rollout.prompts_per_step"),
+        "rollout.n_samples_per_prompt": (r.group_size, "rollout.group_size"),
+        "rollout.temperature": (r.temperature, "rollout.temperature"),
+        "rollout.top_p": (r.top_p, "rollout.top_p"),
+        "rollout.max_new_tokens": (r.max_turn_tokens, "rollout.max_turn_tokens"),
+        "train.batch_size": (r.prompts_per_step * r.group_size, "rollout.prompts_per_step x rollout.group_size"),
+        "train.max_epochs": (1, "one on-policy update per batch (fixed)"),
+        "train.num_episodes": (1, "steps (fixed: data.max_samples sets the length)"),
+        "train.seed": (config.run.seed, "run.seed"),
+        "train.agent_func_path": (agent_file, "the stare-agent executor (fixed)"),
+        "actor.adam.lr": (o.lr, "optim.lr"),
+        "actor.adam.betas": (list(o.betas), "optim.betas"),
+        "actor.adam.eps": (o.eps, "optim.eps"),
+        "actor.adam.weight_decay": (o.weight_decay, "optim.weight_decay"),
+        "actor.lr_scheduler": (_SCHEDULES[o.schedule], "optim.schedule"),
+        "actor.lr_warmup_ratio": (min(o.warmup_steps / config.steps, 1.0), "optim.warmup_steps / steps"),
+        "actor.min_lr_ratio": (o.min_lr_ratio, "optim.min_lr_ratio"),
+        "actor.max_norm": (o.max_grad_norm, "optim.max_grad_norm"),
+        "actor.eps_clip_low_high": ([loss.eps_low, loss.eps_high], "loss.eps_low, loss.eps_high"),
+        "actor.loss_agg_mode": ("token-mean", "the token-level mean of DESIGN (fixed)"),
+        "actor.policy_loss_type": ("ppo", "the clipped surrogate (fixed)"),
+        "algo.advantage.estimator": ("group_norm", "GRPO group-normalized advantages (fixed)"),
+        "algo.dynamic_filtering_enable": (r.dynamic_sampling, "rollout.dynamic_sampling"),
+        "algo.dynamic_filtering_range": ([0.0, 1.0], "dynamic sampling drops all-equal groups (fixed)"),
+        "algo.kl.init_coef": (0.0, "no KL, no reference model (fixed)"),
+        "ckpt.path": (str(run_dir / "checkpoints"), "run.output_dir / run.name"),
+        "ckpt.output_dir": (str(run_dir / "final"), "run.output_dir / run.name"),
+        "ckpt.load_enable": (bool(config.resume), "resume"),
+        "logger.tensorboard_dir": (str(run_dir / "tb"), "run.output_dir / run.name"),
+    }
+    if config.save_every:
+        flags["ckpt.save_steps"] = (config.save_every, "save_every")
+    if loss.dual_clip is not None:
+        flags["actor.dual_clip"] = (loss.dual_clip, "loss.dual_clip")
+    return flags
+
+
+def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
+    """Refuse a flag of the openrlhf block that our config sets, or that the STARE hooks do not support."""
+    if config.resume not in ("", "auto"):
+        raise ConfigError(
+            f"resume={config.resume!r}: with backend openrlhf a run resumes from its own checkpoints "
+            "(resume=auto); OpenRLHF has no option to resume from another folder"
+        )
+    if not config.rollout.dynamic_sampling:
+        raise ConfigError(
+            "rollout.dynamic_sampling=false is refused with backend openrlhf: a group with a sandbox failure is "
+            "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
+        )
+    for flag in config.openrlhf:
+        if flag in ours:
+            raise ConfigError(f"openrlhf.{flag}: set by our {ours[flag][1]}; set it there instead")
+    for flag, allowed, why in REFUSED:
+        if flag in config.openrlhf and config.openrlhf[flag] not in allowed:
+            raise ConfigError(f"openrlhf.{flag}={config.openrlhf[flag]!r} is not supported: {why}")
+
+
+def to_argv(flags: dict[str, Any]) -> list[str]:
+    """Flags (name without dashes -> value) as command-line words: True = the bare flag, False/None = left out."""
+    argv: list[str] = []
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        argv.append(f"--{name}")
+        if value is True:
+            continue
+        argv += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return argv
+
+
+def resolve_rl(config: RLConfig, run_dir: Path | None = None) -> tuple[list[str], Any]:
+    """The argv for openrlhf.cli.train_ppo_ray and the namespace its parser makes of it, after every check."""
+    from stare_agent.backends.openrlhf import upstream
+
+    if not config.model.path or not config.data.train_file:
+        raise ConfigError("backend openrlhf needs model.path and data.train_file")
+    run_dir = run_dir or run_path(config.run, "rl")
+    agent_file = str(Path(__file__).with_name("agent_executor.py"))
+    ours = rl_flags(config, run_dir.absolute(), agent_file)
+    check_block(config, ours)
+    try:
+        parser = upstream.capture_parser(upstream.RL_CLI)
+    except upstream.OpenRLHFMissing as exc:
+        raise ConfigError(str(exc)) from None
+    known = upstream.option_names(parser)
+    for flag in config.openrlhf:
+        if flag not in known:
+            close = difflib.get_close_matches(flag, list(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"openrlhf.{flag}: OpenRLHF {upstream.VERSION} has no flag --{flag}{hint}")
+    argv = to_argv({name: value for name, (value, _) in ours.items()}) + to_argv(dict(config.openrlhf))
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            namespace = parser.parse_args(argv)
+    except SystemExit:
+        lines = errors.getvalue().strip().splitlines() or ["error: invalid arguments"]
+        message = lines[-1].split("error: ", 1)[-1]
+        raise ConfigError(f"OpenRLHF's parser refuses the resolved flags: {message}") from None
+    return argv, namespace
+
+
+def run_rl(config: RLConfig, dry_run: bool = False) -> None:
+    argv, _ = resolve_rl(config)
+    if dry_run:
+        print("# our config (resolved)")
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        print("# OpenRLHF: python -m openrlhf.cli.train_ppo_ray with the STARE hooks in place, and these flags:")
+        print(shlex.join(argv))
+        return
+    raise ConfigError(
+        "backend openrlhf: training is not available yet (the STARE hooks into OpenRLHF's experience maker and "
+        "trainer are in progress); --dry-run resolves and checks the OpenRLHF command"
+    )
+
+
+def run(command: str, config: Any, dry_run: bool = False) -> None:
+    """`stare-agent sft|rl` with backend openrlhf."""
+    if command != "rl":
+        raise ConfigError(f"backend openrlhf is not available for `{command}` yet (rl is; sft is in progress)")
+    run_rl(config, dry_run)

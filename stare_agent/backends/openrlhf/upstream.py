@@ -1,0 +1,138 @@
+"""Everything of OpenRLHF that the backend relies on by name, in one place, with the checks that pin it.
+
+The backend is written against OpenRLHF 0.11.2 (`pip install -e ".[gpu]"` pins it). Its training CLIs build
+their argument parsers under `if __name__ == "__main__":`, so the parser is captured by running the module as
+`__main__` with `ArgumentParser.parse_args` intercepted: nothing is trained, and the flags we pass are
+checked by OpenRLHF's own parser, defaults and choices included.
+
+On a machine without the GPU stack (a laptop, CI), `flash_attn` and `vllm` are missing and OpenRLHF's CLI
+modules fail to import. For the parser capture only (`--dry-run`, tests), `import_openrlhf` then puts
+minimal stand-ins for exactly the names OpenRLHF imports from them into `sys.modules` while importing, and
+removes them afterwards, so the rest of the process still sees that vLLM is absent. Training never uses
+them: it needs the real packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.machinery
+import importlib.util
+import runpy
+import sys
+import types
+import uuid
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+VERSION = "0.11.2"
+RL_CLI = "openrlhf.cli.train_ppo_ray"
+SFT_CLI = "openrlhf.cli.train_sft"
+
+
+class OpenRLHFMissing(RuntimeError):
+    """openrlhf is not installed, or not the version this backend is written against."""
+
+
+def check_installed() -> str:
+    """The installed openrlhf version; OpenRLHFMissing naming what to install otherwise."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("openrlhf")
+    except PackageNotFoundError:
+        raise OpenRLHFMissing(
+            f"backend openrlhf needs openrlhf=={VERSION}: pip install -e '.[gpu]' on a GPU machine, or "
+            f"pip install openrlhf=={VERSION} --no-deps plus its import dependencies for a dry run on CPU "
+            "(docs/dev/openrlhf_cpu.md)"
+        ) from None
+    if found != VERSION:
+        raise OpenRLHFMissing(f"backend openrlhf is written against openrlhf=={VERSION}; found {found}")
+    return found
+
+
+def _stand_ins() -> dict[str, types.ModuleType]:
+    """Modules with the names OpenRLHF 0.11.2 imports from flash_attn and vllm at module level, nothing more."""
+
+    def unavailable(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("flash_attn / vllm are not installed here: this stand-in only lets OpenRLHF import")
+
+    def module(name: str, package: bool = False, **attrs: Any) -> types.ModuleType:
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
+        if package:
+            m.__path__ = []
+        m.__dict__.update(attrs)
+        return m
+
+    class SamplingParams:
+        def __init__(self, **kwargs: Any):
+            self.__dict__.update(kwargs)
+
+    flash = module("flash_attn", package=True)
+    padding = module(
+        "flash_attn.bert_padding",
+        index_first_axis=unavailable,
+        pad_input=unavailable,
+        rearrange=unavailable,
+        unpad_input=unavailable,
+    )
+    utils = module("flash_attn.utils", package=True)
+    distributed = module("flash_attn.utils.distributed", all_gather=unavailable)
+    vllm = module("vllm", package=True, SamplingParams=SamplingParams)
+    inputs = module("vllm.inputs", TokensPrompt=dict)
+    vllm_utils = module("vllm.utils", random_uuid=lambda: uuid.uuid4().hex)
+    return {m.__name__: m for m in (flash, padding, utils, distributed, vllm, inputs, vllm_utils)}
+
+
+@contextlib.contextmanager
+def _importable() -> Iterator[None]:
+    missing = {top for top in ("flash_attn", "vllm") if top not in sys.modules and not importlib.util.find_spec(top)}
+    stand_ins = _stand_ins()
+    inserted = [name for name in stand_ins if name.split(".")[0] in missing]
+    for name in inserted:
+        sys.modules[name] = stand_ins[name]
+    try:
+        yield
+    finally:
+        for name in inserted:
+            sys.modules.pop(name, None)
+
+
+def import_openrlhf(name: str) -> types.ModuleType:
+    """Import an openrlhf module, with stand-ins for flash_attn and vllm where they are not installed."""
+    check_installed()
+    with _importable():
+        return importlib.import_module(name)
+
+
+class _Captured(Exception):
+    pass
+
+
+def capture_parser(cli: str) -> argparse.ArgumentParser:
+    """The argument parser OpenRLHF's CLI module `cli` builds under __main__, without running anything else."""
+    check_installed()
+    import_openrlhf(cli)  # its imports, once, with stand-ins where needed
+
+    def intercept(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        raise _Captured(self)
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = intercept  # type: ignore[method-assign]
+    try:
+        with _importable(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # runpy: "found in sys.modules after import"
+            runpy.run_module(cli, run_name="__main__")
+    except _Captured as captured:
+        return captured.args[0]
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    raise RuntimeError(f"{cli} finished without calling parse_args: OpenRLHF changed (written for {VERSION})")
+
+
+def option_names(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Flag name without the leading dashes (as our YAML writes it) -> its argparse action."""
+    return {opt[2:]: action for action in parser._actions for opt in action.option_strings if opt.startswith("--")}
