@@ -311,23 +311,40 @@ def load_sft(
     examples, report = [], SFTReport()
     for where, row in read_records(path):
         report.rows += 1
-        messages = transcript_messages(row, where, messages_field)
-        try:
-            ids, mask = tokenize_transcript(tokenizer, messages)
-        except ValueError as exc:  # unbalanced interpreter tags
-            raise DataError(f"{where}: field {messages_field!r}: assistant content: {exc}") from None
-        cut = len(ids) > max_tokens
-        if cut:
-            why = f"{len(ids)} tokens > max_tokens={max_tokens}"
-            if truncation == "error":
-                raise DataError(f"{where}: {why} (truncation='error')")
-            if truncation == "drop" or sum(mask[:max_tokens]) == 0:
-                report.dropped.append(f"{where}: {why}" + ("" if truncation == "drop" else ", prompt fills it"))
-                continue
-            ids, mask = ids[:max_tokens], mask[:max_tokens]
-            report.truncated += 1
-        examples.append(SFTExample(_id(row, "id", f"{Path(path).stem}-{report.rows - 1}"), ids, mask, where, cut))
+        default_id = f"{Path(path).stem}-{report.rows - 1}"
+        example, why = sft_example(tokenizer, row, where, max_tokens, truncation, messages_field, default_id)
+        if example is None:
+            report.dropped.append(why)
+            continue
+        report.truncated += example.truncated
+        examples.append(example)
     return examples, report
+
+
+def sft_example(
+    tokenizer: Any,
+    row: dict[str, Any],
+    where: str,
+    max_tokens: int,
+    truncation: Truncation,
+    messages_field: str = "messages",
+    default_id: str | None = None,
+) -> tuple[SFTExample | None, str | None]:
+    """One row as an SFT example by load_sft's rules, or (None, why it was left out); DataError names `where`."""
+    messages = transcript_messages(row, where, messages_field)
+    try:
+        ids, mask = tokenize_transcript(tokenizer, messages)
+    except ValueError as exc:  # unbalanced interpreter tags
+        raise DataError(f"{where}: field {messages_field!r}: assistant content: {exc}") from None
+    cut = len(ids) > max_tokens
+    if cut:
+        why = f"{len(ids)} tokens > max_tokens={max_tokens}"
+        if truncation == "error":
+            raise DataError(f"{where}: {why} (truncation='error')")
+        if truncation == "drop" or sum(mask[:max_tokens]) == 0:
+            return None, f"{where}: {why}" + ("" if truncation == "drop" else ", prompt fills it")
+        ids, mask = ids[:max_tokens], mask[:max_tokens]
+    return SFTExample(_id(row, "id", default_id or where), ids, mask, where, cut), None
 
 
 def write_records(path: str | Path, rows: list[dict[str, Any]]) -> Path:

@@ -84,3 +84,36 @@ def test_openrlhf_parser_accepts_the_resolved_command(tmp_path):
 def test_openrlhf_parser_refusals_are_one_clear_error(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         resolve_rl(config(override), tmp_path / "run")
+
+
+def sft_config(*overrides: str):
+    from stare_agent.config import SFTConfig
+
+    base = ["backend=openrlhf", "model.path=/models/base", "model.dtype=bfloat16", "data.eval_fraction=0"]
+    return load_config(SFTConfig, None, [*base, *overrides])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("openrlhf.data.multiturn=true", "the masks come from our transcript segments"),
+        ("openrlhf.adam.lr=1e-5", "set by our optim.lr"),
+        ("openrlhf.lr_warmup_ratio=0.1", "set by our optim.warmup_steps|warm-up is optim.warmup_steps"),
+    ],
+)
+def test_sft_block_conflicts_are_refused(override, message):
+    from stare_agent.backends.openrlhf import sft
+    from stare_agent.backends.openrlhf.launch import SFT_REFUSED, _refuse
+
+    cfg = sft_config(override)
+    with pytest.raises(ConfigError, match=message):
+        _refuse(cfg.openrlhf, sft.sft_flags(cfg, Path("/runs/s")), SFT_REFUSED)
+
+
+@needs_openrlhf
+def test_sft_command_runs_our_entry_module_with_checked_flags(tmp_path):
+    from stare_agent.backends.openrlhf.launch import resolve_sft
+
+    command, ns = resolve_sft(sft_config("openrlhf.ds.zero_stage=3"), tmp_path / "run")
+    assert command[:3] == ["deepspeed", "--module", "stare_agent.backends.openrlhf.sft"]
+    assert "--stare.warmup_steps" in command and ns.__dict__["ds.zero_stage"] == 3

@@ -17,12 +17,14 @@ import contextlib
 import difflib
 import io
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from stare_agent.config import ConfigError, RLConfig, run_path, to_dict
+from stare_agent.config import ConfigError, RLConfig, SFTConfig, run_path, save_config, to_dict
 
 # OpenRLHF flags we refuse in the openrlhf block: (flag, allowed values or None for "never", why).
 REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
@@ -101,12 +103,7 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "rollout.dynamic_sampling=false is refused with backend openrlhf: a group with a sandbox failure is "
             "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
         )
-    for flag in config.openrlhf:
-        if flag in ours:
-            raise ConfigError(f"openrlhf.{flag}: set by our {ours[flag][1]}; set it there instead")
-    for flag, allowed, why in REFUSED:
-        if flag in config.openrlhf and config.openrlhf[flag] not in allowed:
-            raise ConfigError(f"openrlhf.{flag}={config.openrlhf[flag]!r} is not supported: {why}")
+    _refuse(config.openrlhf, ours, REFUSED)
 
 
 def to_argv(flags: dict[str, Any]) -> list[str]:
@@ -132,17 +129,25 @@ def resolve_rl(config: RLConfig, run_dir: Path | None = None) -> tuple[list[str]
     agent_file = str(Path(__file__).with_name("agent_executor.py"))
     ours = rl_flags(config, run_dir.absolute(), agent_file)
     check_block(config, ours)
+    argv, namespace = _checked_by_openrlhf(upstream.RL_CLI, ours, config.openrlhf)
+    return argv, namespace
+
+
+def _checked_by_openrlhf(cli: str, ours: dict[str, tuple[Any, str]], block: dict[str, Any]) -> tuple[list[str], Any]:
+    """Our flags then the block's, as argv, parsed by the real parser of OpenRLHF's `cli`; ConfigError if refused."""
+    from stare_agent.backends.openrlhf import upstream
+
     try:
-        parser = upstream.capture_parser(upstream.RL_CLI)
+        parser = upstream.capture_parser(cli)
     except upstream.OpenRLHFMissing as exc:
         raise ConfigError(str(exc)) from None
     known = upstream.option_names(parser)
-    for flag in config.openrlhf:
+    for flag in block:
         if flag not in known:
             close = difflib.get_close_matches(flag, list(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"openrlhf.{flag}: OpenRLHF {upstream.VERSION} has no flag --{flag}{hint}")
-    argv = to_argv({name: value for name, (value, _) in ours.items()}) + to_argv(dict(config.openrlhf))
+    argv = to_argv({name: value for name, (value, _) in ours.items()}) + to_argv(dict(block))
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
@@ -152,6 +157,15 @@ def resolve_rl(config: RLConfig, run_dir: Path | None = None) -> tuple[list[str]
         message = lines[-1].split("error: ", 1)[-1]
         raise ConfigError(f"OpenRLHF's parser refuses the resolved flags: {message}") from None
     return argv, namespace
+
+
+def _refuse(block: dict[str, Any], ours: dict[str, tuple[Any, str]], refused: list) -> None:
+    for flag in block:
+        if flag in ours:
+            raise ConfigError(f"openrlhf.{flag}: set by our {ours[flag][1]}; set it there instead")
+    for flag, allowed, why in refused:
+        if flag in block and block[flag] not in allowed:
+            raise ConfigError(f"openrlhf.{flag}={block[flag]!r} is not supported: {why}")
 
 
 def run_rl(config: RLConfig, dry_run: bool = False) -> None:
@@ -168,8 +182,52 @@ def run_rl(config: RLConfig, dry_run: bool = False) -> None:
     )
 
 
+# train_sft flags the masked dataset cannot honour: (flag, allowed values, why).
+SFT_REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
+    ("data.apply_chat_template", (False,), "prompts are rendered by stare_agent.protocol, segment by segment"),
+    ("data.multiturn", (False,), "the masks come from our transcript segments, not chat roles"),
+    ("model.pretrain_mode_enable", (False,), "pretrain mode trains the prompt too"),
+    ("data.output_key", (None,), "transcripts are read from data.messages_field"),
+    ("data.tokenizer_chat_template", (None,), "the tokenizer's own chat template renders the prompt"),
+    ("lr_warmup_ratio", (0, 0.0), "warm-up is optim.warmup_steps, applied exactly in steps"),
+]
+
+
+def resolve_sft(config: SFTConfig, run_dir: Path | None = None) -> tuple[list[str], Any]:
+    """The command that starts OpenRLHF's SFT on every rank with our dataset, and the namespace of its flags."""
+    from stare_agent.backends.openrlhf import sft, upstream
+
+    if not config.model.path:
+        raise ConfigError("backend openrlhf needs model.path")
+    ours = sft.sft_flags(config, run_dir)
+    _refuse(config.openrlhf, ours, SFT_REFUSED)
+    argv, namespace = _checked_by_openrlhf(upstream.SFT_CLI, ours, config.openrlhf)
+    entry = to_argv({name: value for name, (value, _) in sft.entry_flags(config).items()})
+    return ["deepspeed", "--module", sft.ENTRY_MODULE, *entry, *argv], namespace
+
+
+def run_sft(config: SFTConfig, dry_run: bool = False) -> None:
+    run_dir = run_path(config.run, "sft")
+    command, _ = resolve_sft(config, run_dir)
+    if dry_run:
+        print("# our config (resolved)")
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        print("# the command (DeepSpeed's launcher starts OpenRLHF's SFT on every rank with our masked dataset):")
+        print(shlex.join(command))
+        return
+    if shutil.which("deepspeed") is None:
+        raise ConfigError("backend openrlhf: the `deepspeed` launcher is not on PATH (pip install -e '.[gpu]')")
+    save_config(config, run_dir)
+    done = subprocess.run(command, check=False)
+    if done.returncode != 0:
+        raise SystemExit(done.returncode)
+
+
 def run(command: str, config: Any, dry_run: bool = False) -> None:
     """`stare-agent sft|rl` with backend openrlhf."""
-    if command != "rl":
-        raise ConfigError(f"backend openrlhf is not available for `{command}` yet (rl is; sft is in progress)")
-    run_rl(config, dry_run)
+    if command == "sft":
+        run_sft(config, dry_run)
+    elif command == "rl":
+        run_rl(config, dry_run)
+    else:
+        raise ConfigError(f"backend openrlhf is for sft and rl; `{command}` runs locally")
