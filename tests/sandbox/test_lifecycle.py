@@ -327,7 +327,7 @@ def test_retired_kernels_release_their_sockets():
             for i in range(25):
                 assert (await run_stateless(pool, "print(7)", 10)).stdout == "7\n"
                 if i in (4, 24):
-                    await asyncio.sleep(0.5)  # the retired kernels' contexts are destroyed in daemon threads
+                    await asyncio.sleep(0.5)  # retired kernels are stopped in the background (give_back_later)
                     counts.append(open_files())
         finally:
             await pool.close()
