@@ -159,7 +159,7 @@ class VLLMGenerator:
         finally:
             self.stats.seconds += time.perf_counter() - started
         for i, output in zip(todo, outputs, strict=True):
-            samples[i] = _sample(output.outputs[0])
+            samples[i] = completion_sample(output.outputs[0])
             self.stats.generated_tokens += len(samples[i].token_ids)
         return samples
 
@@ -170,12 +170,21 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _sample(completion: Any) -> Sample:
-    """A Sample from one vllm CompletionOutput: its ids as generated, each id's log-prob, the mapped finish."""
+def completion_sample(completion: Any, with_logprobs: bool = True) -> Sample:
+    """A Sample from one vLLM CompletionOutput: its ids as generated, each id's log-prob, the mapped finish.
+
+    with_logprobs=False (the request asked for none) gives NaN log-probs. Finish: "stop" with a string
+    stop_reason is a stop string; "stop" otherwise is EOS (None) or an EOS id of the generation config (an
+    int); "length" is the token cap. Any other reason ("abort") is an engine error.
+    """
     token_ids = list(completion.token_ids)
-    if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
-        raise RuntimeError(f"vLLM returned {len(completion.logprobs or [])} log-prob entries for {len(token_ids)} ids")
-    logprobs = [float(entry[token].logprob) for token, entry in zip(token_ids, completion.logprobs, strict=True)]
+    if with_logprobs:
+        entries = completion.logprobs
+        if entries is None or len(entries) != len(token_ids):
+            raise RuntimeError(f"vLLM returned {len(entries or [])} log-prob entries for {len(token_ids)} ids")
+        logprobs = [float(entry[token].logprob) for token, entry in zip(token_ids, entries, strict=True)]
+    else:
+        logprobs = [float("nan")] * len(token_ids)
     finish: GenerationEnd
     if completion.finish_reason == "length":
         finish = "length"

@@ -40,7 +40,8 @@ from typing import Any
 
 from sandbox.client import SandboxUnavailable
 from stare_agent import protocol
-from stare_agent.agent import EpisodeResult, GenerationEnd, Sample, ToolClient, run_episode
+from stare_agent.agent import EpisodeResult, Sample, ToolClient, run_episode
+from stare_agent.backends.local.vllm_generation import completion_sample
 from stare_agent.config import ConfigError, RLConfig, load_config, to_dict
 from stare_agent.data import Problem
 from stare_agent.reward import score
@@ -117,32 +118,6 @@ def turn_params(shared: Any, max_tokens: int) -> Any:
     return params
 
 
-def to_sample(completion: Any, with_logprobs: bool) -> Sample:
-    """A Sample from a vLLM CompletionOutput: ids as sampled, their log-probs, the mapped finish.
-
-    Without log-probs (OpenRLHF did not ask for them, so its engines return the model's raw log-probs, not
-    the sampling distribution's) the Sample carries NaN: they are never returned to OpenRLHF then.
-    Finish: "stop" with a string stop_reason is a stop string; "stop" otherwise is EOS (None) or an EOS id of
-    the generation config (an int); "length" is the token cap. Any other reason ("abort") is an engine error.
-    """
-    token_ids = list(completion.token_ids)
-    if with_logprobs:
-        entries = completion.logprobs
-        if entries is None or len(entries) != len(token_ids):
-            raise RuntimeError(f"vLLM returned {len(entries or [])} log-prob entries for {len(token_ids)} ids")
-        logprobs = [float(entry[token].logprob) for token, entry in zip(token_ids, entries, strict=True)]
-    else:
-        logprobs = [float("nan")] * len(token_ids)
-    finish: GenerationEnd
-    if completion.finish_reason == "length":
-        finish = "length"
-    elif completion.finish_reason == "stop":
-        finish = "stop" if isinstance(completion.stop_reason, str) else "eos"
-    else:
-        raise RuntimeError(f"vLLM ended a request with finish_reason {completion.finish_reason!r}")
-    return Sample(token_ids, logprobs, finish)
-
-
 class EngineGenerate:
     """agent.Generate over OpenRLHF's engine actor: one `llm_engine.generate` call per turn."""
 
@@ -155,7 +130,7 @@ class EngineGenerate:
     async def __call__(self, ids: list[int], max_new_tokens: int) -> Sample:
         params = turn_params(self.shared, min(self.max_turn_tokens, max_new_tokens))
         output = await self.engine.generate(ids, params)
-        return to_sample(output.outputs[0], self.with_logprobs)
+        return completion_sample(output.outputs[0], self.with_logprobs)
 
 
 # --- the episode as OpenRLHF's dict -------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from stare_agent.backends.openrlhf.sft import SCHEDULES
 from stare_agent.config import ConfigError, RLConfig, SFTConfig, run_path, save_config, to_dict
 
 # OpenRLHF flags we refuse in the openrlhf block: (flag, allowed values or None for "never", why).
@@ -40,8 +41,6 @@ REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
     ("reward.remote_url", (None,), "the reward is the verifiable answer check of the agent executor"),
     ("critic.model_name_or_path", (None,), "GRPO uses no critic"),
 ]
-
-_SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr", "linear": "linear"}
 
 
 def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tuple[Any, str]]:
@@ -68,7 +67,7 @@ def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tupl
         "actor.adam.betas": (list(o.betas), "optim.betas"),
         "actor.adam.eps": (o.eps, "optim.eps"),
         "actor.adam.weight_decay": (o.weight_decay, "optim.weight_decay"),
-        "actor.lr_scheduler": (_SCHEDULES[o.schedule], "optim.schedule"),
+        "actor.lr_scheduler": (SCHEDULES[o.schedule], "optim.schedule"),
         "actor.lr_warmup_ratio": (min(o.warmup_steps / config.steps, 1.0), "optim.warmup_steps / steps"),
         "actor.min_lr_ratio": (o.min_lr_ratio, "optim.min_lr_ratio"),
         "actor.max_norm": (o.max_grad_norm, "optim.max_grad_norm"),
@@ -168,13 +167,18 @@ def _refuse(block: dict[str, Any], ours: dict[str, tuple[Any, str]], refused: li
             raise ConfigError(f"openrlhf.{flag}={block[flag]!r} is not supported: {why}")
 
 
+def _show(config: Any, what: str, words: list[str]) -> None:
+    """--dry-run's output: our resolved config, then the checked command line."""
+    print("# our config (resolved)")
+    print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+    print(f"# {what}:")
+    print(shlex.join(words))
+
+
 def run_rl(config: RLConfig, dry_run: bool = False) -> None:
     argv, _ = resolve_rl(config)
     if dry_run:
-        print("# our config (resolved)")
-        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
-        print("# OpenRLHF: python -m openrlhf.cli.train_ppo_ray with the STARE hooks in place, and these flags:")
-        print(shlex.join(argv))
+        _show(config, "python -m openrlhf.cli.train_ppo_ray, with the STARE hooks in place, and these flags", argv)
         return
     raise ConfigError(
         "backend openrlhf: training is not available yet (the STARE hooks into OpenRLHF's experience maker and "
@@ -210,10 +214,7 @@ def run_sft(config: SFTConfig, dry_run: bool = False) -> None:
     run_dir = run_path(config.run, "sft")
     command, _ = resolve_sft(config, run_dir)
     if dry_run:
-        print("# our config (resolved)")
-        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
-        print("# the command (DeepSpeed's launcher starts OpenRLHF's SFT on every rank with our masked dataset):")
-        print(shlex.join(command))
+        _show(config, "the command (DeepSpeed starts OpenRLHF's SFT on every rank with our dataset)", command)
         return
     if shutil.which("deepspeed") is None:
         raise ConfigError("backend openrlhf: the `deepspeed` launcher is not on PATH (pip install -e '.[gpu]')")

@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 # --- our config -> OpenRLHF's flags ----------------------------------------------------------------------------
 
-_SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr", "linear": "linear"}
+SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr", "linear": "linear"}
+"""optim.schedule -> OpenRLHF's --lr_scheduler (Hugging Face scheduler names); used by the SFT and RL flags."""
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -278,7 +279,7 @@ def sft_flags(config: SFTConfig, run_dir: Path | None = None) -> dict[str, tuple
         "adam.betas": (list(o.betas), "optim.betas"),
         "adam.eps": (o.eps, "optim.eps"),
         "adam.weight_decay": (o.weight_decay, "optim.weight_decay"),
-        "lr_scheduler": (_SCHEDULES[o.schedule], "optim.schedule"),
+        "lr_scheduler": (SCHEDULES[o.schedule], "optim.schedule"),
         "lr_warmup_ratio": (0.0, "optim.warmup_steps (applied by the entry point)"),
         "min_lr_ratio": (o.min_lr_ratio, "optim.min_lr_ratio"),
         "max_norm": (o.max_grad_norm, "optim.max_grad_norm"),
