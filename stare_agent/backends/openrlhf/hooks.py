@@ -1,0 +1,266 @@
+"""STARE inside OpenRLHF 0.11.2's PPO loop: subclasses of its actor, experience maker and trainer, put in place by
+`install()` before `runpy` runs `openrlhf.cli.train_ppo_ray` (no fork of OpenRLHF).
+
+Where each piece plugs in (../shared/openrlhf_hookmap.md sections 3 and 4):
+
+- `StarePolicyModelActor` (a DeepSpeed actor rank): `forward_with_stats` is OpenRLHF's experience forward plus the
+  entropy H and S2 of the sampling policy at every action position, from the same forward's logits (already
+  float32 and divided by rollout.temperature inside OpenRLHF's `Actor`), in one chunked pass
+  (`theory.entropy_and_s2`). Entropy is needed on the driver before the update, and OpenRLHF computes it only in
+  the training forward, per rank, after the weights would be needed.
+- `StareExperienceMaker` (on the trainer actor, which holds the whole step's batch): dispatches that forward to
+  the actor group instead of `forward`, keeps H and S2 per micro-batch, and after OpenRLHF's advantages runs
+  `stare_step` once over all micro-batches and multiplies each `experience.advantages` by its weights. Scaling the
+  advantage by omega > 0 equals weighting OpenRLHF's clipped loss per token (clip-higher and dual clip included),
+  so the loss itself is not touched.
+- `StarePPOTrainer`: builds the `StareController` from our RLConfig ($STARE_AGENT_RL_CONFIG), uses the maker
+  above, adds the step's `stare/*` and `theory/*` metrics to `train_step`'s status (logged as `train/stare/...`),
+  and keeps the controller's state in the DeepSpeed checkpoint's `client_states`.
+
+Not supported (refused here, and by the launcher before anything starts): packed samples (`--ds.packing_samples`:
+the logits come back packed and H would need unpadding to the batch; OpenRLHF packs only with flash-attention 2),
+ring attention and tensor parallelism (`--ds.ring_attn_size`, `--ds.tensor_parallel_size` > 1: the entropy pass
+does not gather sharded logits).
+
+Private OpenRLHF names this relies on (pinned by tests/test_openrlhf_hooks.py): RemoteExperienceMaker's
+`_dispatch_forward` and `_flatten_results`, the classes under Ray's wrappers (`__ray_actor_class__`), and the
+`client_states` dict `PPOTrainer.fit` hands to `save_logs_and_checkpoints`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import ray
+import torch
+from torch import Tensor
+
+from stare_agent.backends.openrlhf import upstream
+from stare_agent.backends.openrlhf.episodes import config_from_env
+from stare_agent.backends.openrlhf.stare_step import MicroBatch, stare_step
+from stare_agent.stare import StareController
+from stare_agent.theory import entropy_and_s2
+
+_actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
+_maker_module = upstream.import_openrlhf("openrlhf.trainer.ppo_utils.experience_maker")
+_trainer_module = upstream.import_openrlhf("openrlhf.trainer.ppo_trainer")
+
+# The Ray-wrapped classes as OpenRLHF defines them, taken before install() replaces the module attributes.
+ORIGINAL_ACTOR = _actor_module.PolicyModelActor
+ORIGINAL_TRAINER = _trainer_module.PPOTrainer
+
+CHECKPOINT_KEY = "stare_controller"
+"""Key of the controller's state_dict in the DeepSpeed checkpoint's client_states."""
+
+
+def unsupported(ds_args: Any) -> list[str]:
+    """What in OpenRLHF's `args.ds` the STARE entropy pass cannot handle, as messages naming the flag; [] if fine."""
+    problems = []
+    if getattr(ds_args, "packing_samples", False):
+        problems.append(
+            "--ds.packing_samples: the STARE entropy pass reads padded (batch, length, vocab) logits; "
+            "leave packing off"
+        )
+    if getattr(ds_args, "ring_attn_size", 1) > 1:
+        problems.append("--ds.ring_attn_size > 1: the STARE entropy pass does not gather ring-attention shards")
+    if getattr(ds_args, "tensor_parallel_size", 1) > 1:
+        problems.append("--ds.tensor_parallel_size > 1: the STARE entropy pass does not gather tensor-parallel logits")
+    return problems
+
+
+def _refuse_unsupported(ds_args: Any) -> None:
+    problems = unsupported(ds_args)
+    if problems:
+        raise NotImplementedError("STARE hooks: unsupported OpenRLHF options: " + "; ".join(problems))
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    """Where the module's weights are (the GPU of this rank on a GPU machine, the CPU here)."""
+    for param in module.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+class StarePolicyModelActor(ORIGINAL_ACTOR.__ray_actor_class__):
+    """OpenRLHF's policy actor rank plus `forward_with_stats` (install() wraps it with the original's Ray options)."""
+
+    def forward_with_stats(
+        self,
+        sequences: torch.LongTensor,
+        action_mask: Tensor,
+        attention_mask: Tensor,
+        packed_seq_lens: Any = None,
+        mm_train_inputs_list: Any = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """OpenRLHF's experience forward (`forward`) that also returns the sampling policy's entropy and S2.
+
+        sequences, attention_mask: (B, S), right-padded; action_mask: (B, A), 1 = sampled by the policy, aligned
+        with the predicted token (A = S - 1 as the sample generator makes it). Returns (action_log_probs, entropy,
+        s2), each (B, A) float32 on the CPU and 0 outside the action mask. The log-probs are exactly OpenRLHF's;
+        H and S2 come from the same logits at the same positions (`H[:, :-1][:, -A:]`, as OpenRLHF aligns its
+        entropy). `packed_seq_lens` is accepted and ignored, as OpenRLHF's `forward` does.
+        """
+        _refuse_unsupported(self.strategy.args.ds)
+        if self.strategy.ring_attn_group is not None:
+            raise NotImplementedError("STARE hooks: the entropy pass does not gather ring-attention shards")
+        device = _device_of(self.actor)
+        mm_inputs = {}
+        if mm_train_inputs_list and getattr(self.actor, "is_vlm", False):
+            mm_inputs = _actor_module.merge_mm_train_inputs(mm_train_inputs_list, device)
+
+        self.actor.eval()
+        try:
+            with torch.no_grad():
+                action_log_probs, output = self.actor(
+                    sequences.to(device),
+                    action_mask.to(device),
+                    attention_mask.to(device),
+                    return_output=True,
+                    ring_attn_group=self.strategy.ring_attn_group,
+                    **mm_inputs,
+                )
+                entropy, s2 = entropy_and_s2(output["logits"])  # (B, S): the distribution predicting token t+1
+                del output
+        finally:
+            self.actor.train()
+        width = action_mask.shape[1]
+        mask = action_mask.to(device=device, dtype=torch.float32)
+        entropy = entropy[:, :-1][:, -width:] * mask
+        s2 = s2[:, :-1][:, -width:] * mask
+        return action_log_probs.to("cpu"), entropy.to("cpu"), s2.to("cpu")
+
+
+class StareExperienceMaker(_maker_module.RemoteExperienceMaker):
+    """OpenRLHF's experience maker with STARE applied to the advantages, once per optimizer step.
+
+    Built with RemoteExperienceMaker's arguments plus `controller`. With `controller.config.enabled` false the
+    experiences are left exactly as OpenRLHF made them; the entropy and theory metrics are still computed.
+    """
+
+    def __init__(self, *args: Any, controller: StareController, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self.args.ds)
+        self.controller = controller
+        self.metrics: dict[str, float] = {}
+        """The last step's stare/* and theory/* metrics, until `pop_metrics`."""
+        self._stats_refs: Any = None  # the actor group's refs from _dispatch_forward, recognised in _flatten_results
+        self._stats: list[tuple[Tensor, Tensor]] | None = None  # (entropy, s2) per micro-batch, in samples order
+
+    def _dispatch_forward(self, group: Any, sync_condition: bool, **kwargs: Any) -> Any:
+        if group is not self.actor_model_group:
+            return super()._dispatch_forward(group, sync_condition, **kwargs)
+        refs = group.async_run_method_batch(method_name="forward_with_stats", **kwargs)
+        if sync_condition:  # colocated models: finish and free this one's memory before the next one runs
+            ray.get(refs)
+            ray.get(group.async_run_method(method_name="empty_cache"))
+        self._stats_refs = refs
+        return refs
+
+    def _flatten_results(self, refs: Any, duplicate_factor: int) -> list:
+        results = super()._flatten_results(refs, duplicate_factor)
+        if refs is not self._stats_refs:
+            return results
+        self._stats_refs = None
+        self._stats = [(entropy, s2) for _, entropy, s2 in results]
+        return [log_probs for log_probs, _, _ in results]
+
+    @torch.no_grad()
+    def make_experience_batch(self, rollout_samples: list) -> list:
+        experiences = super().make_experience_batch(rollout_samples)
+        stats, self._stats = self._stats, None
+        if stats is None or len(stats) != len(experiences):
+            raise RuntimeError(
+                "STARE hooks: no entropy for every micro-batch (the actor group was not dispatched "
+                "forward_with_stats; is StarePolicyModelActor installed? call hooks.install() before train_ppo_ray)"
+            )
+        self.apply_stare(experiences, stats)
+        return experiences
+
+    def apply_stare(self, experiences: list, stats: list[tuple[Tensor, Tensor]]) -> None:
+        """Run the controller once over the step's micro-batches; scale each `advantages` by its weights."""
+        parts = [
+            MicroBatch(exp.action_log_probs, exp.advantages, exp.action_mask, entropy, s2)
+            for exp, (entropy, s2) in zip(experiences, stats, strict=True)
+        ]
+        weights, self.metrics = stare_step(self.controller, parts)
+        if not self.controller.config.enabled:
+            return
+        for exp, weight in zip(experiences, weights, strict=True):
+            exp.advantages = exp.advantages * weight.to(exp.advantages.dtype)
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.metrics = self.metrics, {}
+        return metrics
+
+
+class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
+    """OpenRLHF's PPO trainer (the single controller) with STARE (install() wraps it with the original's options)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.use_stare(StareController(config_from_env().stare))
+
+    def use_stare(self, controller: StareController) -> None:
+        """Replace OpenRLHF's experience maker by ours, built with the same arguments, driving `controller`."""
+        self.stare_controller = controller
+        self.experience_maker = StareExperienceMaker(
+            self.actor_model_group,
+            self.critic_model_group,
+            self.reward_model_group,
+            self.reference_model_group,
+            self.kl_ctl,
+            self.strategy,
+            self.tokenizer,
+            controller=controller,
+        )
+
+    def train_step(self, rollout_samples: list, global_step: int) -> tuple[dict, int]:
+        status, next_step = super().train_step(rollout_samples, global_step)
+        status.update(self.experience_maker.pop_metrics())
+        return status, next_step
+
+    def save_logs_and_checkpoints(self, global_step: int, logs_dict: Any = None, client_states: Any = None) -> None:
+        # In place: fit() hands the same dict to save_best_checkpoint afterwards.
+        client_states = {} if client_states is None else client_states
+        client_states[CHECKPOINT_KEY] = self.stare_controller.state_dict()
+        super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+
+    def init_checkpoint_states(self) -> dict:
+        states = super().init_checkpoint_states()
+        if CHECKPOINT_KEY in states:
+            self.stare_controller.load_state_dict(states[CHECKPOINT_KEY])
+        return states
+
+
+_remote: dict[str, Any] = {}
+
+
+def _ray_remote(cls: type, like: Any) -> Any:
+    options = dict(like._default_options)
+    return ray.remote(**options)(cls) if options else ray.remote(cls)
+
+
+def install() -> dict[str, Any]:
+    """Put our classes where `openrlhf.cli.train_ppo_ray` takes them from; idempotent.
+
+    Wraps StarePolicyModelActor and StarePPOTrainer with ray.remote and the originals' options, and assigns them
+    to `openrlhf.trainer.ray.ppo_actor.PolicyModelActor` and `openrlhf.trainer.ppo_trainer.PPOTrainer`, and to
+    every already-imported openrlhf module that holds an original under that name (e.g. the CLI module). The CLI
+    imports the actor at module level and the trainer inside train(), so a later
+    `runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")` uses ours. Returns {name: wrapped class}.
+    """
+    if not _remote:
+        _remote["PolicyModelActor"] = _ray_remote(StarePolicyModelActor, ORIGINAL_ACTOR)
+        _remote["PPOTrainer"] = _ray_remote(StarePPOTrainer, ORIGINAL_TRAINER)
+    originals = {"PolicyModelActor": ORIGINAL_ACTOR, "PPOTrainer": ORIGINAL_TRAINER}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("openrlhf"):
+            continue
+        for name, original in originals.items():
+            if getattr(module, name, None) is original:
+                setattr(module, name, _remote[name])
+    # The two defining modules, even if something replaced their attribute in between.
+    _actor_module.PolicyModelActor = _remote["PolicyModelActor"]
+    _trainer_module.PPOTrainer = _remote["PPOTrainer"]
+    return dict(_remote)

@@ -1,0 +1,613 @@
+"""The STARE hooks in OpenRLHF 0.11.2's PPO loop (stare_agent/backends/openrlhf/hooks.py), on OpenRLHF's own code.
+
+Skipped where openrlhf is not installed (it is, with --no-deps, in .venv-openrlhf: docs/dev/openrlhf_cpu.md).
+What cannot exist on this CPU machine is stood in for, and each test that does so says it:
+- a policy actor rank is our subclass built without Ray (`object.__new__`, then the attributes its methods read:
+  OpenRLHF's `Actor` around the tiny model, a strategy); a real rank initialises DeepSpeed on a GPU;
+- OpenRLHF's `RayActorGroup` of such ranks is `LocalGroup`: it cuts the batch into per-rank chunks as
+  `async_run_method_batch` does and runs the real methods of the local rank, results in Ray's object store;
+- `torch.cuda.current_device()` / `torch.cuda.synchronize()`, which OpenRLHF calls unconditionally, are redirected
+  to the CPU (a no-op) in the tests that run OpenRLHF's own forward or checkpoint code.
+One local Ray instance (1 CPU) is started for the module, because OpenRLHF's experience maker and trainer pass
+results through `ray.put` / `ray.get`; it is shut down at the end.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import socket
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from stare_agent.loss import policy_loss
+from stare_agent.stare import StareConfig, StareController
+from stare_agent.theory import REGIMES
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    pytest.importorskip("openrlhf")
+    from stare_agent.backends.openrlhf import hooks
+
+    return hooks
+
+
+@pytest.fixture(scope="module")
+def local_ray(hooks):
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def ds_args(**overrides):
+    return NS(**{"packing_samples": False, "ring_attn_size": 1, "tensor_parallel_size": 1, "enable_sleep": False,
+                 **overrides})  # fmt: skip
+
+
+def openrlhf_args(n_samples: int = 4, micro_batch: int = 3, **ds):
+    """The parts of OpenRLHF's parsed args that the experience maker and trainer read (GRPO as launch.py sets it)."""
+    return NS(
+        rollout=NS(n_samples_per_prompt=n_samples, micro_batch_size=micro_batch, max_new_tokens=None, batch_size=2),
+        train=NS(
+            dynamic_batch_enable=False, colocate_all=False, colocate_actor_ref=False, colocate_critic_reward=False
+        ),
+        algo=NS(
+            advantage=NS(estimator="group_norm", gamma=1.0, lambd=1.0, no_std_norm=False, is_correction_level="off"),
+            kl=NS(use_loss=False, estimator="k1", init_coef=0.0, target=None),
+        ),
+        reward=NS(
+            clip_range=(-10, 10),
+            overlong_buffer_len=None,
+            overlong_penalty_factor=1.0,
+            stop_properly_penalty_coef=None,
+        ),
+        data=NS(max_len=2048),
+        ds=ds_args(**ds),
+        critic=NS(freezing_steps=-1),
+        vllm=NS(enable_sleep=False),
+        logger=NS(wandb=NS(key=None), tensorboard_dir=None, logging_steps=1),
+        ckpt=NS(best_metric_key="", save_steps=1, path="", load_enable=False, max_num=3, max_mem=1000),
+    )
+
+
+def actor_rank(hooks, model, temperature: float, args=None):
+    """A StarePolicyModelActor without Ray (a real rank needs DeepSpeed on a GPU): OpenRLHF's Actor around `model`."""
+    from openrlhf.models import Actor
+
+    actor = Actor(model, temperature=temperature)
+    actor.packing_samples = False  # Actor sets it only when it loads a model by name
+    rank = object.__new__(hooks.StarePolicyModelActor)
+    rank.actor = actor
+    rank.strategy = NS(ring_attn_group=None, args=args or openrlhf_args())
+    return rank
+
+
+def rollout_batch(vocab: int, rows: int = 3, seed: int = 0):
+    """Right-padded sequences of different lengths: prompt, action, observation (not an action), action."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [(3 + r % 3, 4 + 2 * r, 2, 3 + r) for r in range(rows)]  # prompt, action, observation, action
+    width = max(sum(parts) for parts in lengths)
+    sequences = torch.zeros(rows, width, dtype=torch.long)
+    attention = torch.zeros(rows, width, dtype=torch.long)
+    action = torch.zeros(rows, width, dtype=torch.long)  # 1 at the sampled tokens themselves
+    for r, (p, a1, o, a2) in enumerate(lengths):
+        n = p + a1 + o + a2
+        sequences[r, :n] = torch.randint(1, vocab, (n,), generator=g)
+        attention[r, :n] = 1
+        action[r, p : p + a1] = 1
+        action[r, p + a1 + o : n] = 1
+    return sequences, attention, action[:, 1:]  # OpenRLHF's action mask: at the predicting position, width S - 1
+
+
+def direct_stats(model, sequences, attention, action_mask, temperature):
+    """Log-prob of the next token, entropy and S2 of softmax(logits / T), computed plainly from the model's logits."""
+    positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 1)
+    with torch.no_grad():
+        logits = model(sequences, attention_mask=attention, position_ids=positions).logits.float() / temperature
+    logp = torch.log_softmax(logits, -1)[:, :-1]
+    p = logp.exp()
+    entropy = -(p * logp).sum(-1)
+    s2 = (p * p * (logp + entropy[..., None])).sum(-1)
+    mask = action_mask.float()
+    chosen = logp.gather(-1, sequences[:, 1:, None]).squeeze(-1)
+    return chosen * mask, entropy * mask, s2 * mask
+
+
+# --- the actor's forward -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_forward_with_stats_is_openrlhfs_forward_plus_entropy_and_s2_of_the_sampling_policy(
+    hooks, tiny_model, monkeypatch, temperature
+):
+    """Built without Ray (object.__new__): OpenRLHF's own `forward` runs with torch.cuda.current_device redirected
+    to the CPU, which it calls unconditionally."""
+    sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size)
+    rank = actor_rank(hooks, tiny_model, temperature)
+    log_probs, entropy, s2 = rank.forward_with_stats(sequences, action_mask, attention)
+
+    assert log_probs.shape == entropy.shape == s2.shape == action_mask.shape
+    assert log_probs.device.type == entropy.device.type == s2.device.type == "cpu"
+    ref_lp, ref_h, ref_s2 = direct_stats(tiny_model, sequences, attention, action_mask, temperature)
+    torch.testing.assert_close(log_probs, ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s2, ref_s2, rtol=1e-5, atol=1e-6)
+    assert (entropy[action_mask == 0] == 0).all() and (entropy[action_mask == 1] > 0).all()
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    openrlhf_log_probs = hooks.ORIGINAL_ACTOR.__ray_actor_class__.forward(rank, sequences, action_mask, attention)
+    assert torch.equal(log_probs, openrlhf_log_probs)
+    assert rank.actor.training  # put back in train mode, as OpenRLHF's forward leaves it
+
+
+@pytest.mark.parametrize(
+    ("ds", "flag"),
+    [({"packing_samples": True}, "--ds.packing_samples"), ({"ring_attn_size": 2}, "--ds.ring_attn_size")],
+)
+def test_forward_with_stats_refuses_what_it_does_not_support(hooks, tiny_model, ds, flag):
+    sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size)
+    rank = actor_rank(hooks, tiny_model, 1.0, openrlhf_args(**ds))
+    with pytest.raises(NotImplementedError, match=flag):
+        rank.forward_with_stats(sequences, action_mask, attention)
+
+
+# --- the experience maker ------------------------------------------------------------------------------------------
+
+
+class LocalGroup:
+    """Stands in for OpenRLHF's RayActorGroup of policy ranks (a real one initialises DeepSpeed on a GPU).
+
+    `async_run_method_batch` cuts the lists into `ranks` chunks as the real one does and runs the named method of
+    the local rank item by item (as `execute_batch` does); results go into Ray's object store, one ref per chunk.
+    `fit` (the DeepSpeed training step) returns `fit_status`; every call is recorded.
+    """
+
+    def __init__(self, rank, ranks: int = 2, fit_status=None):
+        self.rank, self.ranks, self.fit_status = rank, ranks, fit_status or {}
+        self.calls: list[tuple[str, dict]] = []
+
+    def async_run_method_batch(self, method_name, **kwargs):
+        import ray
+
+        self.calls.append((method_name, kwargs))
+        total = len(next(iter(kwargs.values())))
+        chunk = math.ceil(total / self.ranks)
+        refs = []
+        for start in range(0, total, chunk):
+            items = range(start, min(start + chunk, total))
+            method = getattr(self.rank, method_name)
+            refs.append(ray.put([method(**{k: v[i] for k, v in kwargs.items()}) for i in items]))
+        return refs
+
+    def async_run_method(self, method_name, **kwargs):
+        import ray
+
+        self.calls.append((method_name, kwargs))
+        if method_name == "fit":
+            return [ray.put(dict(self.fit_status))]
+        return [ray.put(getattr(self.rank, method_name)(**kwargs))]
+
+
+def rollout_samples(vocab: int, rewards: list[float], seed: int = 0):
+    """One OpenRLHF Experience per episode, made by its own SamplesGenerator from agent-executor dicts."""
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    generator = SamplesGenerator(NS(args=openrlhf_args()), None, None, tokenizer=None, vllm_engines=[])
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, reward in enumerate(rewards):
+        prompt, action_1, observation, action_2 = 3 + i % 2, 4 + (3 * i) % 7, 2, 2 + i % 4
+        n = prompt + action_1 + observation + action_2
+        response = {
+            "prompt": f"p{i // 4}",
+            "label": "",
+            "observation_tokens": torch.randint(1, vocab, (n,), generator=g).tolist(),
+            "action_ranges": [(prompt, prompt + action_1), (prompt + action_1 + observation, n)],
+            "reward": reward,
+            "scores": reward,
+            "rollout_log_probs": None,
+            "extra_logs": {},
+        }
+        samples.append(generator._process_response_into_experience(response, max_len=2048))
+    return samples
+
+
+REWARDS = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # two prompts' groups of 4
+STARE_ON = StareConfig(op="C2", top_ratio=0.2, w=1.5, m=0.6, target_entropy=100.0, gate="batch")
+
+
+class CountingController(StareController):
+    calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+def make_experiences(hooks, model, maker_cls, monkeypatch, temperature=0.8, **maker_kwargs):
+    """OpenRLHF's real make_experience_batch (split, forward, advantages) over 8 episodes in micro-batches of 3."""
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # OpenRLHF's `forward`; ours does not need it
+    group = LocalGroup(actor_rank(hooks, model, temperature), ranks=2)
+    args = openrlhf_args()
+    maker = maker_cls(
+        group, None, None, None, FixedKLController(0.0), NS(args=args), NS(pad_token_id=0), **maker_kwargs
+    )
+    experiences = maker.make_experience_batch(rollout_samples(model.config.vocab_size, REWARDS))
+    return experiences, maker, group
+
+
+def padded(tensors):
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
+
+
+def test_stare_scales_openrlhfs_advantages_by_the_weights_of_the_whole_step(hooks, local_ray, tiny_model, monkeypatch):
+    """Micro-batches of different widths (right-padded each), as two ranks' chunks; weights = one controller call
+    on the concatenated batch (entropy computed directly from the model) times OpenRLHF's own advantages."""
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    plain, _, plain_group = make_experiences(hooks, tiny_model, RemoteExperienceMaker, monkeypatch)
+    controller = CountingController(STARE_ON)
+    ours, maker, group = make_experiences(
+        hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, controller=controller
+    )
+    assert [name for name, _ in group.calls] == ["forward_with_stats"]
+    assert [name for name, _ in plain_group.calls] == ["forward"]
+    assert len(ours) == 3 and len({e.action_mask.shape[1] for e in ours}) > 1
+    assert controller.calls == 1
+
+    mask = padded([e.action_mask for e in plain]).bool()
+    advantages = padded([e.advantages for e in plain])
+    log_probs = padded([e.action_log_probs for e in plain])
+    entropies = []
+    for e in plain:
+        _, entropy, _ = direct_stats(tiny_model, e.sequences, e.attention_mask, e.action_mask, 0.8)
+        entropies.append(entropy)
+    expected, _ = StareController(STARE_ON)(-log_probs * mask, advantages, mask, padded(entropies))
+    assert (expected[mask] > 1).any() and (expected[mask] < 1).any()  # both W and M applied somewhere
+    row = 0
+    for mine, theirs in zip(ours, plain, strict=True):
+        b, t = theirs.action_mask.shape
+        assert torch.equal(mine.action_log_probs, theirs.action_log_probs)
+        torch.testing.assert_close(mine.advantages, theirs.advantages * expected[row : row + b, :t])
+        row += b
+
+    metrics = maker.pop_metrics()
+    assert metrics["stare/gate"] == 1.0 and metrics["stare/w"] == 1.5 and metrics["stare/m"] == 0.6
+    assert sum(metrics[f"theory/regime_{name}"] for name in REGIMES) == 1.0
+    assert maker.pop_metrics() == {}
+
+
+def same_experience(a, b) -> bool:
+    for name in a.__dataclass_fields__:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, torch.Tensor):
+            if not torch.equal(x, y):
+                return False
+        elif name == "info":
+            if x.keys() != y.keys() or not all(torch.equal(x[k], y[k]) for k in x):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def test_with_stare_off_the_experiences_are_openrlhfs(hooks, local_ray, tiny_model, monkeypatch):
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    plain, _, _ = make_experiences(hooks, tiny_model, RemoteExperienceMaker, monkeypatch)
+    controller = CountingController(StareConfig(enabled=False))
+    ours, maker, _ = make_experiences(
+        hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, controller=controller
+    )
+    assert controller.calls == 1
+    assert all(same_experience(a, b) for a, b in zip(ours, plain, strict=True))
+    metrics = maker.pop_metrics()
+    assert 0 < metrics["stare/entropy_mean"] < math.log(tiny_model.config.vocab_size)
+    assert "theory/lambda" in metrics
+    before = [e.advantages for e in ours]
+    maker.apply_stare(ours, [(torch.zeros(e.action_mask.shape), torch.zeros(e.action_mask.shape)) for e in ours])
+    assert all(e.advantages is b for e, b in zip(ours, before, strict=True))  # the same tensors, not a copy
+
+
+def test_a_step_without_our_actor_fails_saying_to_install_the_hooks(hooks, monkeypatch):
+    """OpenRLHF's make_experience_batch is replaced by one that never dispatches `forward_with_stats` (what happens
+    when the actor group runs OpenRLHF's PolicyModelActor): the step stops instead of training without STARE."""
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    monkeypatch.setattr(RemoteExperienceMaker, "make_experience_batch", lambda self, samples: [object()])
+    maker = hooks.StareExperienceMaker(
+        None, None, None, None, FixedKLController(0.0), NS(args=openrlhf_args()), None,
+        controller=StareController(STARE_ON),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="hooks.install"):
+        maker.make_experience_batch([])
+
+
+def test_the_maker_refuses_packed_samples(hooks):
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    with pytest.raises(NotImplementedError, match="--ds.packing_samples"):
+        hooks.StareExperienceMaker(
+            None, None, None, None, FixedKLController(0.0), NS(args=openrlhf_args(packing_samples=True)), None,
+            controller=StareController(STARE_ON),
+        )  # fmt: skip
+
+
+# --- the loss: scaled advantages through OpenRLHF's PolicyLoss = our weighted policy_loss ------------------------
+
+
+def test_weighted_advantages_through_openrlhfs_policy_loss_equal_our_weighted_loss(hooks):
+    """Two data-parallel ranks, each with OpenRLHF's token-mean over the step's global token count x dp_size; the
+    rank mean (what DeepSpeed's gradient all-reduce takes) equals our loss on the whole batch, gradients included."""
+    from openrlhf.models.loss import PolicyLoss
+
+    g = torch.Generator().manual_seed(0)
+    rows, width, dual = 8, 30, 3.0
+    mask = torch.rand(rows, width, generator=g) > 0.3
+    old = -torch.rand(rows, width, generator=g) * 3
+    new = old + torch.randn(rows, width, generator=g)  # ratios far from 1: both clip branches
+    advantages = torch.randn(rows, 1, generator=g).expand(rows, width).clone()
+    weights = torch.where(torch.rand(rows, width, generator=g) < 0.3, 1.5, 1.0) * torch.where(
+        torch.rand(rows, width, generator=g) < 0.2, 0.6, 1.0
+    )
+    ratio = (new - old).exp()
+    assert ((ratio > 1.28) & (advantages > 0) & mask).any() and ((ratio < 0.8) & (advantages < 0) & mask).any()
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.28) * advantages)
+    assert ((advantages < 0) & (surrogate < dual * advantages) & mask).sum() > 3  # dual-clip branch taken
+
+    loss_fn = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual, token_level_loss=True)
+    theirs_new = new.clone().requires_grad_(True)
+    n_tokens, dp = mask.sum(), 2
+    rank_losses = []
+    for part in (slice(0, 3), slice(3, rows)):
+        loss, *_ = loss_fn(
+            theirs_new[part], old[part], (advantages * weights)[part], action_mask=mask[part],
+            dp_size=dp, batch_num_tokens=n_tokens, global_batch_size=torch.tensor(float(rows)),
+        )  # fmt: skip
+        rank_losses.append(loss)
+    theirs = sum(rank_losses) / dp
+    theirs.backward()
+
+    ours_new = new.clone().requires_grad_(True)
+    ours, _ = policy_loss(ours_new, old, advantages, mask, eps_low=0.2, eps_high=0.28, dual_clip=dual, weights=weights)
+    ours.backward()
+    torch.testing.assert_close(theirs, ours)
+    torch.testing.assert_close(theirs_new.grad, ours_new.grad)
+    unweighted, _ = policy_loss(new, old, advantages, mask, eps_low=0.2, eps_high=0.28, dual_clip=dual)
+    assert not torch.allclose(unweighted, ours)  # the weights matter
+
+
+# --- the trainer ---------------------------------------------------------------------------------------------------
+
+
+def make_trainer(hooks, group, controller, args=None, tokenizer=None):
+    """StarePPOTrainer over OpenRLHF's real BasePPOTrainer.__init__; PPOTrainer.__init__ itself (prompt datasets,
+    tokenizer by name, the vLLM sample generator) is skipped: object.__new__ and the base initialiser."""
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    trainer = object.__new__(hooks.StarePPOTrainer)
+    BasePPOTrainer.__init__(trainer, NS(args=args or openrlhf_args()), group, None, None, None, None, tokenizer)
+    trainer.use_stare(controller)
+    return trainer
+
+
+def test_the_trainer_builds_the_controller_from_our_config_and_uses_our_maker(hooks, monkeypatch):
+    """PPOTrainer.__init__ (datasets, tokenizer by name) is replaced by OpenRLHF's BasePPOTrainer.__init__."""
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    from stare_agent.backends.openrlhf.episodes import config_env
+    from stare_agent.config import RLConfig
+
+    config = RLConfig(stare=StareConfig(op="C2", w=1.3, m=0.7, schedule="adaptive"))
+    monkeypatch.setattr(hooks.ORIGINAL_TRAINER.__ray_actor_class__, "__init__", BasePPOTrainer.__init__)
+    for key, value in config_env(config).items():
+        monkeypatch.setenv(key, value)
+    trainer = hooks.StarePPOTrainer(NS(args=openrlhf_args()), "actors", None, None, None, None, None)
+    assert isinstance(trainer.experience_maker, hooks.StareExperienceMaker)
+    assert trainer.experience_maker.controller is trainer.stare_controller
+    assert trainer.stare_controller.config == config.stare
+    assert trainer.experience_maker.actor_model_group == "actors" and trainer.experience_maker.kl_ctl is trainer.kl_ctl
+
+
+def test_train_step_reports_stare_and_theory_metrics_and_ships_the_weighted_advantages(
+    hooks, local_ray, tiny_model, tiny_tokenizer, monkeypatch
+):
+    """OpenRLHF's real BasePPOTrainer.train_step; the ranks' DeepSpeed `fit` (GPU) is LocalGroup's canned status,
+    and the rank's replay buffer (it moves data to CUDA) is a list that its real `append` fills."""
+    rank = actor_rank(hooks, tiny_model, 0.8)
+    rank.trainer = NS(replay_buffer=[])
+    group = LocalGroup(rank, ranks=2, fit_status={"policy_loss": 0.5})
+    trainer = make_trainer(hooks, group, StareController(STARE_ON), tokenizer=tiny_tokenizer)
+    status, step = trainer.train_step(rollout_samples(tiny_model.config.vocab_size, REWARDS), 0)
+    assert step == 1 and status["policy_loss"] == 0.5
+    assert status["stare/gate"] == 1.0 and status["stare/w"] == 1.5
+    assert {"theory/lambda", "theory/critical_weight", "stare/frac_high_pos"} <= status.keys()
+    assert all(isinstance(v, float) for k, v in status.items() if k.startswith(("stare/", "theory/")))
+    appended = rank.trainer.replay_buffer
+    assert len(appended) == 3
+    raw = [e.returns for e in appended]  # group_norm: returns are the advantages before STARE
+    assert any(not torch.equal(e.advantages, r) for e, r in zip(appended, raw, strict=True))
+
+
+@pytest.fixture()
+def gloo_process_group(monkeypatch):
+    """torch.distributed on gloo with world size 1, for DeepSpeed on the CPU; destroyed afterwards."""
+    import deepspeed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def deepspeed_rank(hooks, tmp_path):
+    """A rank holding a real DeepSpeed engine (ZeRO 0, CPU) and OpenRLHF's real DeepspeedStrategy."""
+    import deepspeed
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    args = openrlhf_args()
+    args.ds.param_dtype = "fp32"
+    args.ckpt.path = str(tmp_path)
+    args.ckpt.load_enable = True
+    model = torch.nn.Linear(3, 2)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config={"train_batch_size": 1, "zero_optimization": {"stage": 0}},
+    )
+    rank = object.__new__(hooks.StarePolicyModelActor)
+    rank.strategy = DeepspeedStrategy(args=args)
+    rank.actor = NS(model=engine)
+    rank.disable_ds_ckpt, rank.save_hf_ckpt = False, False
+    return rank, args
+
+
+@pytest.mark.slow
+def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
+    hooks, local_ray, gloo_process_group, tmp_path, monkeypatch
+):
+    """Save: our save_logs_and_checkpoints -> OpenRLHF's -> PolicyModelActor.save_checkpoint -> DeepspeedStrategy.
+    save_ckpt -> DeepSpeed; load: DeepspeedStrategy.load_ckpt (as init_model_from_pretrained does) -> our
+    init_checkpoint_states. CUDA syncs OpenRLHF makes around it are no-ops here (barrier only)."""
+    import os
+
+    import openrlhf.trainer.ray.ppo_actor as actor_module
+    import openrlhf.utils.deepspeed.deepspeed as strategy_module
+
+    barrier_only = torch.distributed.barrier
+    monkeypatch.setattr(strategy_module, "torch_dist_barrier_and_cuda_sync", barrier_only)
+    monkeypatch.setattr(actor_module, "torch_dist_barrier_and_cuda_sync", barrier_only)
+
+    rank, args = deepspeed_rank(hooks, tmp_path)
+    saved = StareController(StareConfig(schedule="adaptive"))
+    saved.load_state_dict({"w": 1.37, "m": 0.61, "last_gate": 1.0, "step": 12})
+    trainer = make_trainer(hooks, LocalGroup(rank), saved, args)
+    client_states = {"episode": 0, "global_step": 12, "total_consumed_prompts": 24, "data_loader_state_dict": {}}
+    trainer.save_logs_and_checkpoints(12, {"stare/gate": 1.0}, client_states)
+    assert client_states[hooks.CHECKPOINT_KEY] == saved.state_dict()  # in place, for save_best_checkpoint too
+    assert os.path.isdir(tmp_path / "_actor" / "global_step12")
+
+    loader, _ = deepspeed_rank(hooks, tmp_path)
+    _, loader.checkpoint_states = loader.strategy.load_ckpt(loader.actor.model, str(tmp_path / "_actor"))
+    restored = StareController(StareConfig(schedule="adaptive"))
+    states = make_trainer(hooks, LocalGroup(loader), restored, args).init_checkpoint_states()
+    assert restored.state_dict() == saved.state_dict()
+    assert states["global_step"] == 12
+
+
+def test_without_a_checkpoint_the_controller_starts_fresh(hooks, local_ray, tmp_path):
+    args = openrlhf_args()
+    args.ckpt.path, args.ckpt.load_enable = str(tmp_path), True
+    controller = StareController(StareConfig())
+    states = make_trainer(hooks, LocalGroup(None), controller, args).init_checkpoint_states()
+    assert states["global_step"] == 0 and controller.step == 0 and controller.w == 1.1
+
+
+# --- pinned OpenRLHF names and install() ---------------------------------------------------------------------------
+
+
+def parameters(function) -> list[str]:
+    """The parameter names, without the `_ray_trace_ctx` Ray adds to the signature of every actor method."""
+    return [name for name in inspect.signature(function).parameters if name != "_ray_trace_ctx"]
+
+
+def test_the_private_openrlhf_names_we_rely_on_are_unchanged(hooks):
+    from openrlhf.models.loss import PolicyLoss
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    maker = RemoteExperienceMaker
+    assert parameters(maker._dispatch_forward) == ["self", "group", "sync_condition", "kwargs"]
+    assert parameters(maker._flatten_results) == ["self", "refs", "duplicate_factor"]
+    assert parameters(maker.make_experience_batch) == ["self", "rollout_samples"]
+    assert parameters(maker.__init__)[:8] == [
+        "self", "actor_model_group", "critic_model_group", "reward_model_group", "initial_model_group",
+        "kl_controller", "strategy", "tokenizer",
+    ]  # fmt: skip
+    # still the methods make_experience calls (so our overrides run), and the order of the step
+    assert {"_dispatch_forward", "_flatten_results"} <= set(inspect.unwrap(maker.make_experience).__code__.co_names)
+    step_calls = inspect.unwrap(maker.make_experience_batch).__code__.co_names
+    assert {"make_experience", "compute_advantages_and_returns"} <= set(step_calls)
+    assert parameters(BasePPOTrainer.save_logs_and_checkpoints) == [
+        "self",
+        "global_step",
+        "logs_dict",
+        "client_states",
+    ]
+    assert parameters(BasePPOTrainer.init_checkpoint_states) == ["self"]
+    assert parameters(BasePPOTrainer.train_step) == ["self", "rollout_samples", "global_step"]
+    assert "experience_maker" in BasePPOTrainer.train_step.__code__.co_names
+    actor = hooks.ORIGINAL_ACTOR.__ray_actor_class__
+    assert parameters(actor.forward) == [
+        "self", "sequences", "action_mask", "attention_mask", "packed_seq_lens", "mm_train_inputs_list",
+    ]  # fmt: skip
+    assert parameters(hooks.StarePolicyModelActor.forward_with_stats) == parameters(actor.forward)
+    assert parameters(PolicyLoss.forward) == [
+        "self", "log_probs", "old_log_probs", "advantages", "action_mask", "rollout_log_probs", "dp_size",
+        "batch_num_tokens", "global_batch_size",
+    ]  # fmt: skip
+    assert hooks.ORIGINAL_TRAINER.__ray_actor_class__.__name__ == "PPOTrainer"
+    assert actor.__name__ == "PolicyModelActor"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # runpy: the CLI module was imported before
+def test_install_puts_our_classes_where_train_ppo_ray_finds_them(hooks, monkeypatch):
+    import argparse
+    import runpy
+    import sys
+
+    import openrlhf.cli.train_ppo_ray as cli
+    import openrlhf.trainer.ppo_trainer as trainer_module
+    import openrlhf.trainer.ray.ppo_actor as actor_module
+
+    for module, name in (
+        (actor_module, "PolicyModelActor"),
+        (trainer_module, "PPOTrainer"),
+        (cli, "PolicyModelActor"),
+    ):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    installed = hooks.install()
+    assert hooks.install() == installed  # idempotent: the same wrapped classes
+    actor_cls, trainer_cls = installed["PolicyModelActor"], installed["PPOTrainer"]
+    assert actor_module.PolicyModelActor is actor_cls and cli.PolicyModelActor is actor_cls
+    assert trainer_module.PPOTrainer is trainer_cls
+    assert actor_cls.__ray_actor_class__ is hooks.StarePolicyModelActor
+    assert trainer_cls.__ray_actor_class__ is hooks.StarePPOTrainer
+    assert actor_cls._default_options == hooks.ORIGINAL_ACTOR._default_options == {"num_gpus": 1}
+    assert trainer_cls._default_options == hooks.ORIGINAL_TRAINER._default_options
+
+    # The CLI run as __main__ (as the launcher runs it) binds our actor class; stopped at its parse_args.
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def intercept(self, *args, **kwargs):
+        seen["globals"] = sys._getframe(1).f_globals
+        raise Stop
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", intercept)
+    with pytest.raises(Stop):
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
+    assert seen["globals"]["PolicyModelActor"] is actor_cls
