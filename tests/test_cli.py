@@ -181,7 +181,9 @@ def test_dry_run_starts_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = run_cli("rl", "--dry-run", "steps=7")
     assert out.returncode == 0 and yaml.safe_load(out.stdout)["steps"] == 7 and "backend local" in out.stdout
-    out = run_cli("rl", "backend=openrlhf", "model.path=/m", "data.train_file=/d.jsonl", "--dry-run")
+    out = run_cli(
+        "rl", "backend=openrlhf", "model.path=/m", "model.dtype=bfloat16", "data.train_file=/d.jsonl", "--dry-run"
+    )
     if importlib.util.find_spec("openrlhf") is None:
         assert out.returncode == 2 and "needs openrlhf==0.11.2" in one_line(out)
     else:

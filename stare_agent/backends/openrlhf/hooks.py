@@ -1,7 +1,7 @@
 """STARE inside OpenRLHF 0.11.2's PPO loop: subclasses of its actor, experience maker and trainer, put in place by
 `install()` before `runpy` runs `openrlhf.cli.train_ppo_ray` (no fork of OpenRLHF).
 
-Where each piece plugs in (../shared/openrlhf_hookmap.md sections 3 and 4):
+Where each piece plugs in (the hook facts checked against OpenRLHF's source: docs/dev/openrlhf_cpu.md):
 
 - `StarePolicyModelActor` (a DeepSpeed actor rank): `forward_with_stats` is OpenRLHF's experience forward plus the
   entropy H and S2 of the sampling policy at every action position, from the same forward's logits (already

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from stare_agent.backends.openrlhf.sft import SCHEDULES
+from stare_agent.backends.openrlhf.sft import DTYPES, SCHEDULES
 from stare_agent.config import ConfigError, RLConfig, SFTConfig, run_path, save_config, to_dict
 
 # OpenRLHF flags we refuse in the openrlhf block: (flag, allowed values or None for "never", why).
@@ -34,12 +34,23 @@ REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
     ("train.dynamic_batch_enable", (False,), "untested with the STARE hooks"),
     ("ds.ring_attn_size", (1,), "the entropy pass does not gather ring-attention shards (untested)"),
     ("ds.tensor_parallel_size", (1,), "the entropy pass does not gather tensor-parallel logits (untested)"),
+    (
+        "ds.packing_samples",
+        (False,),
+        "the STARE entropy pass reads padded (batch, length, vocab) logits; packed ones would need unpadding",
+    ),
     ("ckpt.disable_ds", (False,), "the STARE controller's state is saved in the DeepSpeed checkpoint"),
     ("actor.entropy_coef", (None,), "an entropy bonus changes the loss STARE is defined on"),
     ("data.apply_chat_template", (False,), "prompts are built by stare_agent.protocol (the same as SFT and eval)"),
     ("reward.model_name_or_path", (None,), "the reward is the verifiable answer check of the agent executor"),
     ("reward.remote_url", (None,), "the reward is the verifiable answer check of the agent executor"),
     ("critic.model_name_or_path", (None,), "GRPO uses no critic"),
+    (
+        "eval.dataset",
+        (None,),
+        "OpenRLHF's in-training eval would score a sandbox failure as a wrong answer; evaluate the saved "
+        "checkpoints with `stare-agent eval` instead",
+    ),
 ]
 
 
@@ -72,6 +83,8 @@ def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tupl
         "actor.min_lr_ratio": (o.min_lr_ratio, "optim.min_lr_ratio"),
         "actor.max_norm": (o.max_grad_norm, "optim.max_grad_norm"),
         "actor.eps_clip_low_high": ([loss.eps_low, loss.eps_high], "loss.eps_low, loss.eps_high"),
+        "train.micro_batch_size": (loss.micro_batch_size, "loss.micro_batch_size"),
+        "ds.param_dtype": (DTYPES.get(config.model.dtype), "model.dtype"),
         "actor.loss_agg_mode": ("token-mean", "the token-level mean of DESIGN (fixed)"),
         "actor.policy_loss_type": ("ppo", "the clipped surrogate (fixed)"),
         "algo.advantage.estimator": ("group_norm", "GRPO group-normalized advantages (fixed)"),
@@ -102,6 +115,16 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "rollout.dynamic_sampling=false is refused with backend openrlhf: a group with a sandbox failure is "
             "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
         )
+    default = RLConfig()
+    if config.model.dtype not in DTYPES:
+        raise ConfigError(
+            f"model.dtype={config.model.dtype}: OpenRLHF trains in bf16 or fp16 (--ds.param_dtype); "
+            "set model.dtype=bfloat16"
+        )
+    if config.model.device != default.model.device:
+        raise ConfigError(f"model.device={config.model.device!r}: DeepSpeed places each rank on its own GPU")
+    if config.run.threads != default.run.threads:
+        raise ConfigError(f"run.threads={config.run.threads}: a setting of the local backend's CPU loop")
     _refuse(config.openrlhf, ours, REFUSED)
 
 
@@ -176,14 +199,14 @@ def _show(config: Any, what: str, words: list[str]) -> None:
 
 
 def run_rl(config: RLConfig, dry_run: bool = False) -> None:
-    argv, _ = resolve_rl(config)
+    run_dir = run_path(config.run, "rl")
+    argv, _ = resolve_rl(config, run_dir)
     if dry_run:
         _show(config, "python -m openrlhf.cli.train_ppo_ray, with the STARE hooks in place, and these flags", argv)
         return
-    raise ConfigError(
-        "backend openrlhf: training is not available yet (the STARE hooks into OpenRLHF's experience maker and "
-        "trainer are in progress); --dry-run resolves and checks the OpenRLHF command"
-    )
+    from stare_agent.backends.openrlhf import train
+
+    train.run(config, argv, run_dir)
 
 
 # train_sft flags the masked dataset cannot honour: (flag, allowed values, why).
@@ -201,8 +224,8 @@ def resolve_sft(config: SFTConfig, run_dir: Path | None = None) -> tuple[list[st
     """The command that starts OpenRLHF's SFT on every rank with our dataset, and the namespace of its flags."""
     from stare_agent.backends.openrlhf import sft, upstream
 
-    if not config.model.path:
-        raise ConfigError("backend openrlhf needs model.path")
+    if not config.model.path or not config.data.train_file:
+        raise ConfigError("backend openrlhf needs model.path and data.train_file")
     ours = sft.sft_flags(config, run_dir)
     _refuse(config.openrlhf, ours, SFT_REFUSED)
     argv, namespace = _checked_by_openrlhf(upstream.SFT_CLI, ours, config.openrlhf)
@@ -217,7 +240,9 @@ def run_sft(config: SFTConfig, dry_run: bool = False) -> None:
         _show(config, "the command (DeepSpeed starts OpenRLHF's SFT on every rank with our dataset)", command)
         return
     if shutil.which("deepspeed") is None:
-        raise ConfigError("backend openrlhf: the `deepspeed` launcher is not on PATH (pip install -e '.[gpu]')")
+        raise ConfigError(
+            "backend openrlhf: the `deepspeed` launcher is not on PATH (scripts/install_gpu.sh installs it)"
+        )
     save_config(config, run_dir)
     done = subprocess.run(command, check=False)
     if done.returncode != 0:

