@@ -15,7 +15,12 @@ needs_openrlhf = pytest.mark.skipif(importlib.util.find_spec("openrlhf") is None
 
 
 def config(*overrides: str) -> RLConfig:
-    base = ["backend=openrlhf", "model.path=/models/sft", "data.train_file=/data/prompts.jsonl"]
+    base = [
+        "backend=openrlhf",
+        "model.path=/models/sft",
+        "data.train_file=/data/prompts.jsonl",
+        "model.dtype=bfloat16",
+    ]
     return load_config(RLConfig, None, [*base, *overrides])
 
 
@@ -33,6 +38,7 @@ def test_our_keys_become_openrlhf_flags():
     assert (flags["algo.advantage.estimator"], flags["algo.kl.init_coef"]) == ("group_norm", 0.0)
     assert flags["actor.loss_agg_mode"] == "token-mean" and flags["algo.dynamic_filtering_enable"] is True
     assert flags["ckpt.path"] == "/runs/x/checkpoints"
+    assert flags["train.micro_batch_size"] == 16 and flags["ds.param_dtype"] == "bf16"
 
 
 def test_argv_spelling():
@@ -51,6 +57,13 @@ def test_argv_spelling():
         ("openrlhf.actor.entropy_coef=0.0", "an entropy bonus changes the loss"),
         ("rollout.dynamic_sampling=false", "a group with a sandbox failure is dropped through OpenRLHF's dynamic"),
         ("resume=/elsewhere", "resumes from its own checkpoints"),
+        ("openrlhf.ds.packing_samples=true", "STARE entropy pass reads padded"),
+        ("openrlhf.train.micro_batch_size=2", "set by our loss.micro_batch_size"),
+        ("openrlhf.ds.param_dtype=fp16", "set by our model.dtype"),
+        ("model.dtype=float32", "OpenRLHF trains in bf16 or fp16"),
+        ("model.device=cpu", "DeepSpeed places each rank on its own GPU"),
+        ("run.threads=4", "local backend's CPU loop"),
+        ("openrlhf.eval.dataset=/data/aime.jsonl", "evaluate the saved checkpoints with `stare-agent eval`"),
     ],
 )
 def test_conflicts_and_unsupported_combinations_are_refused(override, message):
@@ -117,3 +130,174 @@ def test_sft_command_runs_our_entry_module_with_checked_flags(tmp_path):
     command, ns = resolve_sft(sft_config("openrlhf.ds.zero_stage=3"), tmp_path / "run")
     assert command[:3] == ["deepspeed", "--module", "stare_agent.backends.openrlhf.sft"]
     assert "--stare.warmup_steps" in command and ns.__dict__["ds.zero_stage"] == 3
+
+
+# --- the shipped configs (configs/*.yaml with backend: openrlhf) ------------------------------------------------
+
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+# what a user must give on the command line; the shipped configs leave both empty (tested below)
+REQUIRED = ["model.path=/shared/models/qwen", "data.train_file=/shared/data/train.parquet"]
+GPUS_PER_NODE = 8  # the node the paper configs are written for; the SFT command uses all GPUs of the node
+
+
+def shipped_openrlhf_configs() -> list[tuple[Path, type]]:
+    """(file, the command's config class) for every configs/*.yaml with `backend: openrlhf`. The command is
+    the one class the file loads as: each has keys the other refuses (`epochs` vs `rollout`, `stare`)."""
+    import yaml
+
+    from stare_agent.config import SFTConfig
+
+    found = []
+    for path in sorted(CONFIGS_DIR.glob("*.yaml")):
+        if (yaml.safe_load(path.read_text()) or {}).get("backend") != "openrlhf":
+            continue
+        loads = []
+        for cls in (SFTConfig, RLConfig):
+            try:
+                load_config(cls, path, REQUIRED)
+                loads.append(cls)
+            except ConfigError:
+                pass
+        assert len(loads) == 1, f"{path.name} loads as {[c.__name__ for c in loads]}; it must be one command's"
+        found.append((path, loads[0]))
+    return found
+
+
+SHIPPED = shipped_openrlhf_configs()
+PAPER_RL = {p.stem: p for p, cls in SHIPPED if p.stem.startswith("rl_paper_")}
+
+
+def test_the_paper_configs_are_shipped():
+    names = {p.stem for p, _ in SHIPPED}
+    assert {"sft_paper_qwen2.5_7b", "rl_paper_grpo_ds", "rl_paper_stare_o1", "rl_paper_stare_c2"} <= names
+
+
+@pytest.mark.parametrize(("path", "cls"), SHIPPED, ids=[p.stem for p, _ in SHIPPED])
+def test_shipped_config_requires_model_and_data_paths(path, cls):
+    """model.path and data.train_file are empty in the file, so a run cannot start on a placeholder or on the
+    repository's sample data; without them the launcher stops before anything else with the key to set."""
+    from stare_agent.backends.openrlhf.launch import resolve_sft
+
+    cfg = load_config(cls, path)
+    assert cfg.model.path == "" and cfg.data.train_file == ""
+    resolve = resolve_rl if cls is RLConfig else resolve_sft
+    with pytest.raises(ConfigError, match="needs model.path"):
+        resolve(cfg, Path("/runs/x"))
+
+
+def test_shipped_sft_config_refuses_an_empty_train_file():
+    from stare_agent.backends.openrlhf.launch import resolve_sft
+    from stare_agent.config import SFTConfig
+
+    cfg = load_config(SFTConfig, CONFIGS_DIR / "sft_paper_qwen2.5_7b.yaml", ["model.path=/shared/models/qwen"])
+    with pytest.raises(ConfigError, match="data.train_file"):
+        resolve_sft(cfg, Path("/runs/x"))
+
+
+def _rl_placement_fits(ns: dict) -> None:
+    """OpenRLHF 0.11.2's checks of the placement that run after its parser (cli/train_ppo_ray.py, train() and the
+    block after parse_args), restated, plus DeepSpeed's batch arithmetic, so that a shipped config which its
+    parser accepts cannot still fail on the cluster at start-up."""
+    actor_gpus = ns["actor.num_nodes"] * ns["actor.num_gpus_per_node"]
+    engines = ns["vllm.num_engines"] or 0
+    assert engines > 0, "rollouts need vLLM engines (vllm.num_engines)"
+    if ns["train.colocate_all"]:
+        assert actor_gpus == engines * ns["vllm.tensor_parallel_size"], "colocate_all: one engine GPU per actor GPU"
+    if ns["vllm.enable_sleep"] or ns["ds.enable_sleep"]:
+        assert ns["train.colocate_all"], "sleep modes only act with train.colocate_all"
+    rollouts = ns["rollout.batch_size"] * ns["rollout.n_samples_per_prompt"]
+    assert rollouts // ns["rollout.micro_batch_size"] >= actor_gpus, "fewer experience micro-batches than ranks"
+    # DeepSpeed: global batch = micro-batch x gradient accumulation x data-parallel ranks
+    assert ns["train.batch_size"] % (ns["train.micro_batch_size"] * actor_gpus) == 0
+    if ns["ds.packing_samples"]:
+        assert "flash_attention" in ns["ds.attn_implementation"], "packing needs flash attention"
+
+
+@needs_openrlhf
+@pytest.mark.parametrize(("path", "cls"), SHIPPED, ids=[p.stem for p, _ in SHIPPED])
+def test_shipped_config_resolves_to_a_command_openrlhfs_parser_accepts(path, cls, tmp_path):
+    """The launcher's resolved command for the file, parsed by OpenRLHF 0.11.2's real parser (an unknown flag or
+    a bad value in the `openrlhf:` block fails here), carries the config's values."""
+    from stare_agent.backends.openrlhf import upstream
+    from stare_agent.backends.openrlhf.launch import resolve_sft
+
+    cfg = load_config(cls, path, REQUIRED)
+    if cls is RLConfig:
+        argv, namespace = resolve_rl(cfg, tmp_path / "run")
+        cli = upstream.RL_CLI
+    else:
+        command, namespace = resolve_sft(cfg, tmp_path / "run")
+        assert command[:3] == ["deepspeed", "--module", "stare_agent.backends.openrlhf.sft"]
+        argv = command[command.index("--model.model_name_or_path") :]
+        cli = upstream.SFT_CLI
+    # parse the printed words again, independently of the launcher's own parse
+    ns = vars(upstream.capture_parser(cli).parse_args(argv))
+    assert ns == vars(namespace)
+    for key, value in cfg.openrlhf.items():  # the block reaches OpenRLHF unchanged
+        assert ns[key] == value, key
+
+    if cls is RLConfig:
+        r = cfg.rollout
+        assert ns["actor.model_name_or_path"] == "/shared/models/qwen"
+        assert ns["data.prompt_dataset"] == "/shared/data/train.parquet"
+        assert ns["actor.adam.lr"] == cfg.optim.lr
+        assert (ns["rollout.batch_size"], ns["rollout.n_samples_per_prompt"]) == (r.prompts_per_step, r.group_size)
+        assert ns["train.batch_size"] == r.prompts_per_step * r.group_size and ns["train.max_epochs"] == 1
+        assert ns["data.max_len"] == cfg.agent.max_total_tokens
+        assert (ns["rollout.temperature"], ns["rollout.top_p"]) == (r.temperature, r.top_p)
+        assert ns["algo.advantage.estimator"] == "group_norm"
+        assert ns["actor.eps_clip_low_high"] == [cfg.loss.eps_low, cfg.loss.eps_high]
+        assert ns["algo.dynamic_filtering_enable"] is True and ns["algo.dynamic_filtering_range"] == [0.0, 1.0]
+        assert ns["algo.kl.init_coef"] == 0.0 and not ns["algo.kl.use_loss"]
+        assert ns["actor.loss_agg_mode"] == "token-mean" and ns["actor.policy_loss_type"] == "ppo"
+        assert ns["train.agent_func_path"].endswith("agent_executor.py")
+        _rl_placement_fits(ns)
+    else:
+        assert ns["model.model_name_or_path"] == "/shared/models/qwen"
+        assert ns["data.dataset"] == "/shared/data/train.parquet"
+        assert ns["adam.lr"] == cfg.optim.lr and ns["data.max_len"] == cfg.data.max_tokens
+        assert ns["train.batch_size"] == cfg.micro_batch_size * cfg.grad_accum
+        assert ns["train.micro_batch_size"] == cfg.micro_batch_size and ns["train.max_epochs"] == cfg.epochs
+        assert ns["ds.param_dtype"] == "bf16"
+        assert ns["train.batch_size"] % (ns["train.micro_batch_size"] * GPUS_PER_NODE) == 0  # DeepSpeed's split
+
+
+STARE_O1 = {"enabled": True, "op": "O1", "top_ratio": 0.1, "w": 1.1, "target_entropy": 0.3}  # W 1.1, P 10%, H_tgt 0.3
+
+
+@pytest.mark.parametrize(
+    ("name", "stare"),
+    [
+        ("rl_paper_grpo_ds", {"enabled": False}),
+        ("rl_paper_stare_o1", STARE_O1),
+        ("rl_paper_stare_c2", {**STARE_O1, "op": "C2", "m": 0.9}),
+    ],
+)
+def test_paper_rl_configs_hold_the_papers_settings(name, stare):
+    cfg = load_config(RLConfig, PAPER_RL[name], REQUIRED)
+    assert cfg.backend == "openrlhf"
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (64, 8)
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.optim.lr) == (1.0, 1.0, 1e-6)
+    assert cfg.agent.max_total_tokens == 8192
+    assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.rollout.dynamic_sampling) == (0.2, 0.28, True)
+    for key, value in stare.items():
+        assert getattr(cfg.stare, key) == value, f"stare.{key}"
+    if cfg.stare.enabled:
+        assert (cfg.stare.gate, cfg.stare.schedule) == ("batch", "fixed")
+
+
+def test_paper_rl_configs_differ_only_in_stare_and_run_name():
+    """GRPO-ds, STARE-O1 and STARE-C2 are compared at equal settings: the three files must not drift apart."""
+    from stare_agent.config import to_dict
+
+    def comparable(cfg: RLConfig) -> dict:
+        d = to_dict(cfg)
+        d.pop("stare")
+        d["run"].pop("name")
+        return d
+
+    cfgs = {name: load_config(RLConfig, path) for name, path in PAPER_RL.items()}
+    assert len(cfgs) == 3 and len({c.run.name for c in cfgs.values()}) == 3
+    first, *rest = cfgs.values()
+    for other in rest:
+        assert comparable(other) == comparable(first)

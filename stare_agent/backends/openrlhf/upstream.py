@@ -1,9 +1,9 @@
 """Everything of OpenRLHF that the backend relies on by name, in one place, with the checks that pin it.
 
-The backend is written against OpenRLHF 0.11.2 (`pip install -e ".[gpu]"` pins it). Its training CLIs build
-their argument parsers under `if __name__ == "__main__":`, so the parser is captured by running the module as
-`__main__` with `ArgumentParser.parse_args` intercepted: nothing is trained, and the flags we pass are
-checked by OpenRLHF's own parser, defaults and choices included.
+The backend is written against OpenRLHF 0.11.2 (`scripts/install_gpu.sh` installs it with the versions it pins).
+Its training CLIs build their argument parsers under `if __name__ == "__main__":`, so the parser is captured by
+running the module as `__main__` with `ArgumentParser.parse_args` intercepted: nothing is trained, and the flags we
+pass are checked by OpenRLHF's own parser, defaults and choices included.
 
 On a machine without the GPU stack (a laptop, CI), `flash_attn` and `vllm` are missing and OpenRLHF's CLI
 modules fail to import. For the parser capture only (`--dry-run`, tests), `import_openrlhf` then puts
@@ -44,7 +44,7 @@ def check_installed() -> str:
         found = version("openrlhf")
     except PackageNotFoundError:
         raise OpenRLHFMissing(
-            f"backend openrlhf needs openrlhf=={VERSION}: pip install -e '.[gpu]' on a GPU machine, or "
+            f"backend openrlhf needs openrlhf=={VERSION}: scripts/install_gpu.sh on a GPU machine, or "
             f"pip install openrlhf=={VERSION} --no-deps plus its import dependencies for a dry run on CPU "
             "(docs/dev/openrlhf_cpu.md)"
         ) from None
