@@ -527,7 +527,10 @@ class KernelPool:
         try:
             await asyncio.wait_for(manager.start_kernel(env=kernel_env(scratch)), self.settings.startup_timeout_s)
             kernel.client = manager.client(context=manager.context)
-            kernel.client.start_channels()
+            # No heartbeat thread: liveness comes from the manager (the client's parent), and jupyter_client's
+            # HBChannel, stopped before its thread has set `_running`, spins creating REQ sockets until zmq
+            # runs out of them ("Too many open files"), which a kernel stopped right after its start hit.
+            kernel.client.start_channels(hb=False)
             await kernel.client.wait_for_ready(timeout=self.settings.startup_timeout_s)
             warm = await kernel.execute(self.settings.warmup_code, self.settings.startup_timeout_s, self.settings)
             if warm.status != "ok":

@@ -81,6 +81,7 @@ def test_a_config_error_is_raised_before_anything_starts(tmp_path):
         values={
             "backend": ("openrlhf", "test"),
             "model.path": (str(tmp_path / "model"), "test"),
+            "model.dtype": ("bfloat16", "test"),
             "data.train_file": (str(tmp_path / "prompts.jsonl"), "test"),
             "run.output_dir": (str(tmp_path / "runs"), "test"),
             "openrlhf": ({"train.async_enable": True}, "test"),

@@ -335,3 +335,22 @@ def test_retired_kernels_release_their_sockets():
 
     after_5, after_25 = asyncio.run(go())
     assert after_25 <= after_5 + 15, f"open files grew from {after_5} to {after_25} over 20 kernels"
+
+
+def test_kernels_run_without_a_heartbeat_thread():
+    """No jupyter_client heartbeat thread per kernel: the manager tells whether a kernel lives, and a heartbeat
+    thread stopped before it got going spins making sockets until zmq runs out of them."""
+    import threading
+
+    from jupyter_client.channels import HBChannel
+
+    async def go() -> list[threading.Thread]:
+        pool = KernelPool(PoolSettings(pool_size=2))
+        await pool.start()
+        try:
+            assert (await run_stateless(pool, "print(1)", 10)).stdout == "1\n"
+            return [t for t in threading.enumerate() if isinstance(t, HBChannel) and t.is_alive()]
+        finally:
+            await pool.close()
+
+    assert asyncio.run(go()) == []
