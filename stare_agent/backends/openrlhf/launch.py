@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from stare_agent.backends.openrlhf.sft import DTYPES, SCHEDULES
+from stare_agent.backends.openrlhf.sft import DTYPES, SCHEDULES, local_only_problems
 from stare_agent.config import ConfigError, RLConfig, SFTConfig, run_path, save_config, to_dict
 
 # OpenRLHF flags we refuse in the openrlhf block: (flag, allowed values or None for "never", why).
@@ -115,16 +115,9 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "rollout.dynamic_sampling=false is refused with backend openrlhf: a group with a sandbox failure is "
             "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
         )
-    default = RLConfig()
-    if config.model.dtype not in DTYPES:
-        raise ConfigError(
-            f"model.dtype={config.model.dtype}: OpenRLHF trains in bf16 or fp16 (--ds.param_dtype); "
-            "set model.dtype=bfloat16"
-        )
-    if config.model.device != default.model.device:
-        raise ConfigError(f"model.device={config.model.device!r}: DeepSpeed places each rank on its own GPU")
-    if config.run.threads != default.run.threads:
-        raise ConfigError(f"run.threads={config.run.threads}: a setting of the local backend's CPU loop")
+    problems = local_only_problems(config.model, config.run)
+    if problems:
+        raise ConfigError("backend openrlhf (rl): " + "; ".join(problems))
     _refuse(config.openrlhf, ours, REFUSED)
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from stare_agent.backends.openrlhf import upstream
-from stare_agent.config import ConfigError, SFTConfig, run_path
+from stare_agent.config import ConfigError, ModelConfig, RunConfig, SFTConfig, run_path
 from stare_agent.data import DataError, SFTExample, SFTReport, Truncation, sft_example
 
 ENTRY_MODULE = "stare_agent.backends.openrlhf.sft"
@@ -217,9 +217,22 @@ DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 """model.dtype -> OpenRLHF's --ds.param_dtype (DeepSpeed trains in bf16 or fp16 only)."""
 
 
+def local_only_problems(model: ModelConfig, run: RunConfig) -> list[str]:
+    """What the local backend's model and run settings ask that DeepSpeed cannot do (SFT and RL alike)."""
+    problems = []
+    if model.dtype not in DTYPES:
+        problems.append(
+            f"model.dtype={model.dtype}: OpenRLHF trains in bf16 or fp16 (--ds.param_dtype); set model.dtype=bfloat16"
+        )
+    if model.device != ModelConfig().device:
+        problems.append(f"model.device={model.device!r}: DeepSpeed places each rank on its own GPU")
+    if run.threads != RunConfig().threads:
+        problems.append(f"run.threads={run.threads}: a setting of the local backend's CPU loop")
+    return problems
+
+
 def check_sft(config: SFTConfig) -> None:
     """Refuse what OpenRLHF's SFT trainer cannot do as our config says, naming the key and what to do."""
-    default = SFTConfig()
     problems = []
     if config.max_steps:
         problems.append(
@@ -233,15 +246,7 @@ def check_sft(config: SFTConfig) -> None:
         )
     if config.eval_every == 0 and config.data.eval_file:
         problems.append("eval_every=0 (only at the end) has no OpenRLHF equivalent; give a step count")
-    if config.model.dtype not in DTYPES:
-        problems.append(
-            f"model.dtype={config.model.dtype}: OpenRLHF trains in bf16 or fp16 (--ds.param_dtype); "
-            "set model.dtype=bfloat16"
-        )
-    if config.model.device != default.model.device:
-        problems.append(f"model.device={config.model.device!r}: DeepSpeed places each rank on its own GPU")
-    if config.run.threads != default.run.threads:
-        problems.append(f"run.threads={config.run.threads}: a setting of the local backend's CPU loop")
+    problems += local_only_problems(config.model, config.run)
     if config.optim.schedule == "linear" and config.optim.min_lr_ratio > 0:
         problems.append(
             f"optim.min_lr_ratio={config.optim.min_lr_ratio} with optim.schedule=linear: OpenRLHF's linear "

@@ -1,0 +1,60 @@
+"""Process census helpers for the tests that check nothing outlives its owner (test_signals.py,
+sandbox/test_lifecycle.py): read from /proc, so they see processes of any parent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state, start time) of a process, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """pid -> start time of every live process below `pid` (start times tell a reused pid apart)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            children.setdefault(stat[0], []).append(int(entry))
+    found, todo = {}, list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if (stat := _stat(child)) is not None and stat[1] != "Z":
+            found[child] = stat[2]
+        todo += children.get(child, [])
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def alive(processes: dict[int, int]) -> list[int]:
+    """Those of `processes` (pid -> start time) still running; zombies are dead, only not reaped yet."""
+    return [pid for pid, start in processes.items() if (s := _stat(pid)) is not None and s[1] != "Z" and s[2] == start]
+
+
+def processes_tied_to(path: Path) -> list[str]:
+    """Live processes whose command line, environment or working dir names `path`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or (stat := _stat(int(entry))) is None or stat[1] == "Z":
+            continue
+        texts = [cmdline(int(entry))]
+        try:
+            texts.append(Path(f"/proc/{entry}/environ").read_bytes().decode(errors="replace"))
+            texts.append(os.readlink(f"/proc/{entry}/cwd"))
+        except OSError:  # gone, or another user's (only root reads every environment)
+            pass
+        if any(str(path) in text for text in texts):
+            found.append(f"{entry}: {texts[0][:200]}")
+    return found
