@@ -26,7 +26,7 @@ import signal
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -400,7 +400,7 @@ class KernelPool:
                     f"all {self.settings.max_kernels} kernels stayed busy for {self.settings.startup_timeout_s:g}s"
                 )
             try:
-                kernel = await asyncio.wait_for(self._ready.get(), timeout=min(1.0, remaining))
+                kernel = await _wait_for(self._ready.get(), min(1.0, remaining), self._ready.put_nowait)
                 break
             except asyncio.TimeoutError:
                 waited = True
@@ -525,7 +525,7 @@ class KernelPool:
         reuse = self.settings.stateless_reuse
         kernel.reuse_limit = random.randint((reuse + 1) // 2, reuse) if reuse else 0
         try:
-            await asyncio.wait_for(manager.start_kernel(env=kernel_env(scratch)), self.settings.startup_timeout_s)
+            await _wait_for(manager.start_kernel(env=kernel_env(scratch)), self.settings.startup_timeout_s)
             kernel.client = manager.client(context=manager.context)
             # No heartbeat thread: liveness comes from the manager (the client's parent), and jupyter_client's
             # HBChannel, stopped before its thread has set `_running`, spins creating REQ sockets until zmq
@@ -631,6 +631,23 @@ def _cancel_requested() -> bool:
     """Whether the current task is being cancelled (Python 3.11 tells; before, assume it is)."""
     cancelling = getattr(asyncio.current_task(), "cancelling", None)
     return cancelling is None or cancelling() > 0
+
+
+async def _wait_for(work: Awaitable[T], timeout: float, undo: Callable[[T], object] | None = None) -> T:
+    """`asyncio.wait_for` that never loses the caller's cancellation.
+
+    On Python 3.11, when `work` finishes in the same loop turn as the caller is cancelled, `wait_for` returns its
+    result and drops the cancellation: a Ctrl-C or SIGTERM that arrived as a kernel became ready then went
+    unnoticed and the command ran to its end. Here the cancellation is raised after all, once `undo(result)`
+    has put back what `work` took (e.g. a kernel taken from the ready queue).
+    """
+    result = await asyncio.wait_for(work, timeout)
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+; 3.10 cannot tell
+    if cancelling is not None and cancelling() > 0:
+        if undo is not None:
+            undo(result)
+        raise asyncio.CancelledError
+    return result
 
 
 async def _run_to_end(work: Awaitable[T]) -> T:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import _stat, alive, cmdline, descendants, processes_tied_to  # tests/procs.py
 
 from sandbox.client import InProcessClient
 from sandbox.isolation import _PDEATHSIG_EXEC, _setpriv_with_pdeathsig, detect_isolation
@@ -26,59 +27,6 @@ from sandbox.kernels import KernelPool, PoolSettings, run_stateless
 
 REPO = Path(__file__).resolve().parents[2]
 DEATH_S = 5.0  # how long a kernel may take to die after its owner (measured: well under 0.1 s)
-
-
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """(parent pid, state, start time) of a process, or None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(fields[1]), fields[0], int(fields[19])
-
-
-def descendants(pid: int) -> dict[int, int]:
-    """pid -> start time of every live process below `pid` (start times tell a reused pid apart)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
-            children.setdefault(stat[0], []).append(int(entry))
-    found, todo = {}, list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        if (stat := _stat(child)) is not None and stat[1] != "Z":
-            found[child] = stat[2]
-        todo += children.get(child, [])
-    return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError):
-        return ""
-
-
-def alive(processes: dict[int, int]) -> list[int]:
-    """Those of `processes` (pid -> start time) still running; zombies are dead, only not reaped yet."""
-    return [pid for pid, start in processes.items() if (s := _stat(pid)) is not None and s[1] != "Z" and s[2] == start]
-
-
-def processes_tied_to(path: Path) -> list[str]:
-    """Live processes whose command line, environment or working dir names `path`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or (stat := _stat(int(entry))) is None or stat[1] == "Z":
-            continue
-        texts = [cmdline(int(entry))]
-        try:
-            texts.append(Path(f"/proc/{entry}/environ").read_bytes().decode(errors="replace"))
-            texts.append(os.readlink(f"/proc/{entry}/cwd"))
-        except OSError:  # gone, or another user's (only root reads every environment)
-            pass
-        if any(str(path) in text for text in texts):
-            found.append(f"{entry}: {texts[0][:200]}")
-    return found
 
 
 def wait_until_gone(processes: dict[int, int], timeout_s: float) -> tuple[list[int], float]:
@@ -354,3 +302,24 @@ def test_kernels_run_without_a_heartbeat_thread():
             await pool.close()
 
     assert asyncio.run(go()) == []
+
+
+def test_a_cancellation_that_arrives_as_the_awaited_work_finishes_is_not_lost():
+    """A signal stops the command even when it lands in the loop turn in which a kernel became ready: Python
+    3.11's wait_for would return the kernel and drop the cancellation. What was taken is handed back first."""
+    from sandbox.kernels import _wait_for
+
+    async def go() -> tuple[bool, list[int]]:
+        ready = asyncio.get_running_loop().create_future()
+        undone: list[int] = []
+        waiter = asyncio.ensure_future(_wait_for(ready, 10, undone.append))
+        await asyncio.sleep(0)  # the waiter now awaits `ready`
+        ready.set_result(7)  # the work finishes ...
+        waiter.cancel()  # ... in the same turn as the caller is cancelled
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            return True, undone
+        return False, undone
+
+    assert asyncio.run(go()) == (True, [7])
