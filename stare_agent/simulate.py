@@ -64,7 +64,7 @@ def sweep(config: SimulateConfig) -> list[Variant]:
         variants.append(Variant(f"O1 open W={w:g}", dataclasses.replace(base, op="O1", w=w, gate="off")))
     for w in config.gated_w:
         name = f"O1 {gated} gate W={w:g}"
-        variants.append(Variant(name, dataclasses.replace(base, op="O1", w=w, gate=gated, schedule="fixed")))
+        variants.append(Variant(name, dataclasses.replace(base, op="O1", w=w, gate=gated, w_mode="fixed")))
     return variants
 
 
@@ -94,15 +94,17 @@ def train_toy(task: ToyTaskConfig, stare: StareConfig, seed: int) -> list[dict[s
         action_mask = torch.ones_like(logp)  # (B, L); every position is sampled by the policy
         surprisal = -logp.detach()
         entropy, s2 = entropy_and_s2(z.detach())
-        weights, stare_metrics = controller(surprisal, advantages, action_mask, entropy)
+        high_pos = select_quadrants(surprisal, advantages, action_mask, stare.top_ratio, ("high+",))["high+"]
+        theory = batch_diagnostics(surprisal, advantages, action_mask, entropy, s2, high_pos)
+        weights, stare_metrics = controller(
+            surprisal, advantages, action_mask, entropy, critical_weight=theory["theory/critical_weight"]
+        )
         loss, _ = policy_loss(
             logp, logp.detach(), advantages, action_mask, eps_low=0.2, eps_high=0.28, weights=weights
         )
         (grad,) = torch.autograd.grad(loss, logits)
         with torch.no_grad():
             logits -= task.lr * grad
-        high_pos = select_quadrants(surprisal, advantages, action_mask, stare.top_ratio, ("high+",))["high+"]
-        theory = batch_diagnostics(surprisal, advantages, action_mask, entropy, s2, high_pos)
         # First-order prediction of this step's change of the mean entropy over all (prompt, position):
         # each sampled token moves its position's logits by (lr / N) * omega * A * (e_a - pi).
         a_phi = weights * advantages[:, None] * phi(logp.detach().exp(), entropy, s2)

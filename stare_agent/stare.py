@@ -25,12 +25,12 @@ from torch import Tensor
 Quadrant = Literal["high+", "high-", "low+", "low-"]
 Op = Literal["O1", "O2", "O3", "O4", "C1", "C2", "C3", "C4"]
 Gate = Literal["batch", "sample", "token", "off"]
-Schedule = Literal["fixed", "adaptive"]
+WMode = Literal["fixed", "adaptive", "critical"]
 
 QUADRANTS: tuple[Quadrant, ...] = get_args(Quadrant)
 OPS: tuple[Op, ...] = get_args(Op)
 GATES: tuple[Gate, ...] = get_args(Gate)
-SCHEDULES: tuple[Schedule, ...] = get_args(Schedule)
+W_MODES: tuple[WMode, ...] = get_args(WMode)
 
 # Which multiplier each preset puts on which quadrant: "W" amplifies, "M" attenuates.
 # O1 and C2 are the paper's; O2-O4 and C1, C3, C4 are our reading of its naming (DESIGN section 3).
@@ -238,21 +238,27 @@ class StareConfig:
     top_ratio: float = 0.1
     """P: fraction of T+ (and of T-) taken as each high or low set, in (0, 1]."""
     w: float = 1.1
-    """W >= 1: multiplier on amplified quadrants (start value when the schedule is adaptive)."""
+    """W >= 1: multiplier on amplified quadrants (the start value when adaptive, the fallback when critical)."""
     m: float = 0.9
-    """M in (0, 1]: multiplier on attenuated quadrants (start value when the schedule is adaptive)."""
+    """M in (0, 1]: multiplier on attenuated quadrants (the start value when w_mode is adaptive)."""
     target_entropy: float = 0.3
     """H_tgt in nats: the gate reweights only while entropy is below it."""
     gate: Gate = "batch"
     """batch: batch mean entropy; sample: per trajectory; token: per position; off: always on (open loop)."""
-    schedule: Schedule = "fixed"
-    """fixed: W and M stay; adaptive: each step W += alpha*sgn(H_tgt - Hbar), M -= the same, clipped."""
+    w_mode: WMode = "fixed"
+    """How W (and M) move. fixed: they stay. adaptive: each step W += alpha*sgn(H_tgt - Hbar), M -= the same,
+    clipped to [1, w_max] and [m_min, 1]. critical: W follows the smoothed live critical weight W* (see
+    StareController), with the margin w_margin, capped at w_max; M stays."""
     alpha: float = 0.01
     """Adaptive step size for W and M."""
     w_max: float = 1.5
-    """Upper bound for adaptive W."""
+    """Upper bound for W when w_mode is adaptive or critical."""
     m_min: float = 0.5
     """Lower bound for adaptive M."""
+    w_margin: float = 0.1
+    """Critical mode: W = 1 + (1 + w_margin) * (W*_smoothed - 1), a relative margin over the threshold's excess."""
+    w_smoothing: float = 0.5
+    """Critical mode: the moving average's weight on the previous estimate, in [0, 1); 0 = this step's W* alone."""
 
     def __post_init__(self) -> None:
         if isinstance(self.op, Mapping):
@@ -263,42 +269,65 @@ class StareConfig:
             )
         if self.gate not in GATES:
             raise ValueError(f"gate must be one of {', '.join(GATES)}; got {self.gate!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        if self.w_mode not in W_MODES:
+            raise ValueError(f"w_mode must be one of {', '.join(W_MODES)}; got {self.w_mode!r}")
         if not 0.0 < self.top_ratio <= 1.0:
             raise ValueError(f"top_ratio must be in (0, 1]; got {self.top_ratio}")
         if self.w_max < 1.0:
             raise ValueError(f"w_max must be >= 1; got {self.w_max}")
         if not 0.0 < self.m_min <= 1.0:
             raise ValueError(f"m_min must be in (0, 1]; got {self.m_min}")
-        adaptive = self.schedule == "adaptive"
-        if not 1.0 <= self.w <= (self.w_max if adaptive else math.inf):
-            raise ValueError(f"w must be >= 1 (and <= w_max={self.w_max} when adaptive); got {self.w}")
+        adaptive = self.w_mode == "adaptive"
+        capped = self.w_mode != "fixed"
+        if not 1.0 <= self.w <= (self.w_max if capped else math.inf):
+            raise ValueError(f"w must be >= 1 (and <= w_max={self.w_max} when w_mode is {self.w_mode}); got {self.w}")
         if not (0.0 < self.m <= 1.0 and (not adaptive or self.m >= self.m_min)):
             raise ValueError(f"m must be in (0, 1] (and >= m_min={self.m_min} when adaptive); got {self.m}")
         if self.alpha < 0:
             raise ValueError(f"alpha must be >= 0; got {self.alpha}")
         if self.target_entropy < 0:
             raise ValueError(f"target_entropy must be >= 0 nats; got {self.target_entropy}")
+        if not (math.isfinite(self.w_margin) and self.w_margin >= 0):
+            raise ValueError(f"w_margin must be a finite number >= 0; got {self.w_margin}")
+        if not 0.0 <= self.w_smoothing < 1.0:
+            raise ValueError(f"w_smoothing must be in [0, 1); got {self.w_smoothing}")
 
 
 class StareController:
-    """Per-step STARE state: the weight schedule and the last gate, saved with checkpoints.
+    """Per-step STARE state: W, M, the critical-weight estimate and the last gate, saved with checkpoints.
 
-    Call it once per optimizer step with the whole batch (all data-parallel ranks gathered).
-    With the adaptive schedule, W and M move first from this step's mean entropy, then apply.
+    Call it once per optimizer step with the whole batch (all data-parallel ranks gathered). W and M
+    move first (adaptive or critical w_mode), then apply to this batch:
+
+    - adaptive: W and M step by alpha toward more entropy while this batch's mean entropy is below
+      H_tgt, and back while above (the paper's schedule).
+    - critical: the first-order theory says amplifying the high+ set raises entropy only when
+      W > W* = 1 + Lambda/Gamma (theory.batch_diagnostics), and W* is measured on every batch. The
+      caller passes this batch's W* (`critical_weight`, NaN where it is undefined: the rising,
+      no_w_helps and undefined regimes). Each defined W*, capped at w_max, enters an exponential
+      moving average (w_smoothing is the weight on the previous estimate); on such a step
+      W = 1 + (1 + w_margin) * (estimate - 1), capped at w_max. On a step whose W* is undefined W is
+      the fixed `w`: either entropy rises without help or no W > 1 raises it. M stays at `m`; for
+      C2 this is conservative, since attenuating the high- set pushes entropy up too.
     """
 
     def __init__(self, config: StareConfig):
         self.config = config
         self.w = config.w
         self.m = config.m
+        self.w_star = float("nan")  # critical mode: the smoothed W*; NaN until a defined W* is seen
         self.last_gate = float("nan")
         self.step = 0
 
     def __call__(
-        self, surprisal: Tensor, advantages: Tensor, action_mask: Tensor, entropy: Tensor
+        self,
+        surprisal: Tensor,
+        advantages: Tensor,
+        action_mask: Tensor,
+        entropy: Tensor,
+        critical_weight: float | Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
+        """STARE weights (B, T) and "stare/" metrics; critical mode needs `critical_weight`, this batch's W*."""
         cfg = self.config
         if not cfg.enabled:  # plain GRPO: weights 1, but the same entropy metrics for comparison
             mask = action_mask.bool()
@@ -307,12 +336,14 @@ class StareController:
                 "stare/surprisal_mean": _masked_mean(surprisal.float(), mask),
             }
             return torch.ones(surprisal.shape, dtype=torch.float32, device=surprisal.device), metrics
-        if cfg.schedule == "adaptive":
+        if cfg.w_mode == "adaptive":
             # One host sync per step (not per micro-batch): the schedule is plain Python state.
             h_bar = float(_masked_mean(entropy.float(), action_mask.bool()))
             direction = float(h_bar < cfg.target_entropy) - float(h_bar > cfg.target_entropy)  # sgn; 0 if NaN
             self.w = min(max(self.w + cfg.alpha * direction, 1.0), cfg.w_max)
             self.m = min(max(self.m - cfg.alpha * direction, cfg.m_min), 1.0)
+        elif cfg.w_mode == "critical":
+            self.w = self._critical_w(critical_weight)
         weights, metrics = token_weights(
             surprisal,
             advantages,
@@ -325,16 +356,39 @@ class StareController:
             target_entropy=cfg.target_entropy,
             gate=cfg.gate,
         )
+        if cfg.w_mode == "critical":
+            metrics["stare/w_star_smoothed"] = torch.tensor(self.w_star)
         self.last_gate = float(metrics["stare/gate"])
         self.step += 1
         return weights, metrics
 
+    def _critical_w(self, critical_weight: float | Tensor | None) -> float:
+        cfg = self.config
+        if critical_weight is None:
+            raise ValueError(
+                "stare.w_mode=critical needs this batch's critical weight W* (theory.batch_diagnostics' "
+                "theory/critical_weight, NaN where undefined) as the controller's critical_weight argument"
+            )
+        observed = float(critical_weight)
+        if math.isnan(observed):
+            return cfg.w
+        if observed < 1.0:
+            raise ValueError(f"critical_weight must be >= 1 where defined (W* = 1 + Lambda/Gamma); got {observed}")
+        observed = min(observed, cfg.w_max)  # W never exceeds w_max, so a larger W* says nothing more
+        if math.isnan(self.w_star):
+            self.w_star = observed
+        else:
+            self.w_star = cfg.w_smoothing * self.w_star + (1.0 - cfg.w_smoothing) * observed
+        return min(1.0 + (1.0 + cfg.w_margin) * (self.w_star - 1.0), cfg.w_max)
+
     def state_dict(self) -> dict[str, float | int]:
-        return {"w": self.w, "m": self.m, "last_gate": self.last_gate, "step": self.step}
+        return {"w": self.w, "m": self.m, "w_star": self.w_star, "last_gate": self.last_gate, "step": self.step}
 
     def load_state_dict(self, state: Mapping[str, float | int]) -> None:
+        """Restore a state_dict(); a state saved before the critical mode existed (no "w_star") loads with none."""
         missing = {"w", "m", "last_gate", "step"} - set(state)
         if missing:
             raise KeyError(f"STARE controller state is missing {', '.join(sorted(missing))}; got keys {sorted(state)}")
         self.w, self.m = float(state["w"]), float(state["m"])
+        self.w_star = float(state.get("w_star", float("nan")))
         self.last_gate, self.step = float(state["last_gate"]), int(state["step"])

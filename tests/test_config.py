@@ -93,7 +93,7 @@ def test_empty_file_means_defaults(tmp_path):
 
 
 def test_saved_config_loads_back_equal(tmp_path):
-    config = load_config(SimulateConfig, None, ["stare.op={high+: 1.4}", "stare.schedule=adaptive", "toy.lr=5"])
+    config = load_config(SimulateConfig, None, ["stare.op={high+: 1.4}", "stare.w_mode=adaptive", "toy.lr=5"])
     path = save_config(config, tmp_path)
     assert load_config(SimulateConfig, path) == config
 

@@ -50,7 +50,7 @@ needs_the_stack = pytest.mark.skipif(
 SHIM = Path(__file__).with_name("openrlhf_cpu_shim")
 STEPS = 2
 GROUP = 12
-ADAPTIVE = {"schedule": "adaptive", "alpha": 0.05}  # W moves 0.05 a step: the controller's state is visible
+ADAPTIVE = {"w_mode": "adaptive", "alpha": 0.05}  # W moves 0.05 a step: the controller's state is visible
 RUN_TIMEOUT_S = 480
 
 

@@ -414,7 +414,7 @@ def test_the_trainer_builds_the_controller_from_our_config_and_uses_our_maker(ho
     from stare_agent.backends.openrlhf.episodes import config_env
     from stare_agent.config import RLConfig
 
-    config = RLConfig(stare=StareConfig(op="C2", w=1.3, m=0.7, schedule="adaptive"))
+    config = RLConfig(stare=StareConfig(op="C2", w=1.3, m=0.7, w_mode="adaptive"))
     monkeypatch.setattr(hooks.ORIGINAL_TRAINER.__ray_actor_class__, "__init__", BasePPOTrainer.__init__)
     for key, value in config_env(config).items():
         monkeypatch.setenv(key, value)
@@ -500,8 +500,8 @@ def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
     monkeypatch.setattr(actor_module, "torch_dist_barrier_and_cuda_sync", barrier_only)
 
     rank, args = deepspeed_rank(hooks, tmp_path)
-    saved = StareController(StareConfig(schedule="adaptive"))
-    saved.load_state_dict({"w": 1.37, "m": 0.61, "last_gate": 1.0, "step": 12})
+    saved = StareController(StareConfig(w_mode="adaptive"))
+    saved.load_state_dict({"w": 1.37, "m": 0.61, "w_star": 2.5, "last_gate": 1.0, "step": 12})
     trainer = make_trainer(hooks, LocalGroup(rank), saved, args)
     client_states = {"episode": 0, "global_step": 12, "total_consumed_prompts": 24, "data_loader_state_dict": {}}
     trainer.save_logs_and_checkpoints(12, {"stare/gate": 1.0}, client_states)
@@ -510,7 +510,7 @@ def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
 
     loader, _ = deepspeed_rank(hooks, tmp_path)
     _, loader.checkpoint_states = loader.strategy.load_ckpt(loader.actor.model, str(tmp_path / "_actor"))
-    restored = StareController(StareConfig(schedule="adaptive"))
+    restored = StareController(StareConfig(w_mode="adaptive"))
     states = make_trainer(hooks, LocalGroup(loader), restored, args).init_checkpoint_states()
     assert restored.state_dict() == saved.state_dict()
     assert states["global_step"] == 12

@@ -283,7 +283,7 @@ def test_paper_rl_configs_hold_the_papers_settings(name, stare):
     for key, value in stare.items():
         assert getattr(cfg.stare, key) == value, f"stare.{key}"
     if cfg.stare.enabled:
-        assert (cfg.stare.gate, cfg.stare.schedule) == ("batch", "fixed")
+        assert (cfg.stare.gate, cfg.stare.w_mode) == ("batch", "fixed")
 
 
 def test_paper_rl_configs_differ_only_in_stare_and_run_name():

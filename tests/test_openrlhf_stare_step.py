@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from stare_agent.backends.openrlhf.stare_step import MicroBatch, stare_step
@@ -80,3 +81,19 @@ def test_the_gate_reads_the_mean_entropy_of_the_whole_step():
     config = StareConfig(op="O1", top_ratio=0.2, w=1.5, target_entropy=1.0, gate="batch")
     weights, metrics = stare_step(StareController(config), split(batch, [(0, 4), (4, 8)]))
     assert metrics["stare/gate"] == 0.0 and all((w == 1).all() for w in weights)
+
+
+def test_critical_mode_gets_the_whole_step_critical_weight():
+    """stare_step measures W* on the whole step and hands it to the controller, which sets W from it."""
+    config = StareConfig(
+        op="O1", top_ratio=0.2, w=1.05, target_entropy=5.0, w_mode="critical", w_max=1e6, w_margin=0.0, w_smoothing=0
+    )
+    seen = []
+    for seed in range(12):
+        controller = StareController(config)
+        _, metrics = stare_step(controller, split(rollout_batch(seed=seed), [(0, 6), (6, 12)]))
+        w_star = metrics["theory/critical_weight"]
+        expected = 1.05 if w_star != w_star else w_star  # NaN where undefined: the fixed W
+        assert controller.w == metrics["stare/w"] and controller.w == pytest.approx(expected, rel=1e-6)
+        seen.append(w_star == w_star)
+    assert any(seen) and not all(seen)  # both cases were met

@@ -21,6 +21,7 @@ from stare_agent.backends.local import rl
 from stare_agent.config import ConfigError, RLConfig, load_config
 from stare_agent.data import write_records
 from stare_agent.tasks import generate_tasks
+from stare_agent.theory import batch_diagnostics
 
 
 @pytest.fixture(scope="module")
@@ -361,3 +362,28 @@ def test_dynamic_sampling_drops_equal_and_sandbox_groups_and_refills(tmp_path, t
     else:
         assert len(seen) == 3 and metrics["rollout/groups_dropped_equal"] == 0
         assert len(kept) == 3 - seen.count("broken")
+
+
+def test_critical_w_mode_sets_w_from_the_logged_critical_weight(
+    tmp_path, tiny_model_dir, prompts, varied_reward, monkeypatch
+):
+    """The loop hands each batch's W* to the controller before weighting, and the logged W follows it.
+
+    A random tiny model's batches are all in the `rising` regime (W* undefined), so the real diagnostics'
+    W* is replaced by a fixed sequence; everything else (regime, Lambda, Gamma) is the real one.
+    """
+    sequence = iter([3.0, float("nan"), 5.0, 2.0])
+
+    def diagnostics(*args):
+        out = batch_diagnostics(*args)
+        return out | {"theory/critical_weight": torch.tensor(next(sequence))}
+
+    monkeypatch.setattr(rl, "batch_diagnostics", diagnostics)
+    overrides = ["steps=4", "stare.w_mode=critical", "stare.w=1.05", "stare.w_max=4.5", "stare.w_smoothing=0.5"]
+    rl.run(config(tmp_path, tiny_model_dir, prompts, "critical", *overrides, "stare.w_margin=0.2"))
+    metrics = rows(tmp_path / "critical")
+    # W* 3 -> estimate 3, W 1 + 1.2 * 2; undefined (logged null) -> W 1.05, estimate kept; W* 5 -> counted as 4.5
+    # (w_max) -> estimate 3.75, W 4.3; W* 2 -> estimate 2.875, W 3.25
+    assert [r["theory/critical_weight"] for r in metrics] == [3.0, None, 5.0, 2.0]
+    assert [r["stare/w_star_smoothed"] for r in metrics] == pytest.approx([3.0, 3.0, 3.75, 2.875], rel=1e-6)
+    assert [r["stare/w"] for r in metrics] == pytest.approx([3.4, 1.05, 4.3, 3.25], rel=1e-6)

@@ -207,7 +207,7 @@ def test_disabled_controller_gives_exact_ones():
 
 
 def test_adaptive_schedule_moves_and_clips():
-    config = StareConfig(schedule="adaptive", alpha=0.2, w=1.1, m=0.9, w_max=1.5, m_min=0.5, target_entropy=0.3)
+    config = StareConfig(w_mode="adaptive", alpha=0.2, w=1.1, m=0.9, w_max=1.5, m_min=0.5, target_entropy=0.3)
     controller = StareController(config)
     s, a, mask, _ = random_batch(6)
     low, high = torch.full_like(s, 0.1), torch.full_like(s, 0.9)
@@ -227,7 +227,7 @@ def test_adaptive_schedule_moves_and_clips():
 
 
 def test_controller_state_round_trip_resumes_identically():
-    config = StareConfig(schedule="adaptive", alpha=0.05)
+    config = StareConfig(w_mode="adaptive", alpha=0.05)
     batches = [random_batch(seed) for seed in range(6)]
     straight = StareController(config)
     outputs = [straight(*batch)[0] for batch in batches]
@@ -238,19 +238,88 @@ def test_controller_state_round_trip_resumes_identically():
     resumed.load_state_dict(dict(first.state_dict()))
     for batch, expected in zip(batches[3:], outputs[3:], strict=True):
         assert torch.equal(resumed(*batch)[0], expected)
-    assert resumed.state_dict() == straight.state_dict()
+    assert resumed.state_dict() == pytest.approx(straight.state_dict(), nan_ok=True)
     with pytest.raises(KeyError, match="missing"):
         resumed.load_state_dict({"w": 1.0})
+
+
+def high_pos_weight(controller, batch, critical_weight):
+    """The W the controller applies this step: the largest weight (O1 multiplies only the high+ set by W)."""
+    weights, metrics = controller(*batch, critical_weight=critical_weight)
+    assert float(metrics["stare/gate"]) == 1.0
+    return float(weights.max()), metrics
+
+
+def test_critical_mode_follows_the_smoothed_live_critical_weight():
+    config = StareConfig(w_mode="critical", w=1.2, w_max=6.0, w_margin=0.1, w_smoothing=0.5, target_entropy=100.0)
+    controller = StareController(config)
+    batch = random_batch(7)
+    nan = float("nan")
+    # (W* of the batch, the W applied): the first defined W* is the estimate; an undefined one leaves the estimate
+    # and falls back to the fixed w; later ones enter the moving average; W* beyond w_max counts as w_max.
+    expected = [(3.0, 1 + 1.1 * 2.0), (nan, 1.2), (5.0, 1 + 1.1 * 3.0), (50.0, 1 + 1.1 * 4.0), (1.0, 1 + 1.1 * 2.0)]
+    estimates = [3.0, 3.0, 4.0, 5.0, 3.0]
+    for (w_star, w_applied), estimate in zip(expected, estimates, strict=True):
+        applied, metrics = high_pos_weight(controller, batch, torch.tensor(w_star))
+        assert applied == pytest.approx(w_applied) and controller.w == pytest.approx(w_applied)
+        assert controller.w_star == pytest.approx(estimate)
+        assert float(metrics["stare/w_star_smoothed"]) == pytest.approx(estimate)
+        assert float(metrics["stare/w"]) == pytest.approx(w_applied)
+
+
+def test_critical_mode_without_smoothing_tracks_each_batch_and_keeps_m():
+    config = StareConfig(
+        op="C2", w_mode="critical", m=0.8, w_max=10.0, w_margin=0.0, w_smoothing=0.0, target_entropy=100.0
+    )
+    controller = StareController(config)
+    batch = random_batch(8)
+    for w_star, w_applied in ((2.0, 2.0), (7.5, 7.5), (1.5, 1.5), (12.0, 10.0)):  # capped at w_max
+        weights, _ = controller(*batch, critical_weight=w_star)
+        assert float(weights.max()) == pytest.approx(w_applied) and float(weights.min()) == pytest.approx(0.8)
+    assert controller.m == 0.8
+
+
+def test_critical_mode_needs_the_batch_critical_weight():
+    controller = StareController(StareConfig(w_mode="critical", w_max=3.0))
+    with pytest.raises(ValueError, match="w_mode=critical needs this batch's critical weight"):
+        controller(*random_batch(9))
+    with pytest.raises(ValueError, match="critical_weight must be >= 1"):
+        controller(*random_batch(9), critical_weight=0.5)
+    fixed = StareController(StareConfig(w_mode="fixed", w=1.3, target_entropy=100.0))
+    assert high_pos_weight(fixed, random_batch(9), 5.0)[0] == pytest.approx(1.3)  # only critical mode reads it
+
+
+def test_critical_state_round_trip_resumes_identically():
+    config = StareConfig(w_mode="critical", w_max=8.0, target_entropy=100.0)
+    batches = [random_batch(seed) for seed in range(6)]
+    w_stars = [2.5, float("nan"), 4.0, 3.0, float("nan"), 6.0]
+    straight = StareController(config)
+    outputs = [straight(*b, critical_weight=c)[0] for b, c in zip(batches, w_stars, strict=True)]
+    first = StareController(config)
+    for b, c in zip(batches[:3], w_stars[:3], strict=True):
+        first(*b, critical_weight=c)
+    resumed = StareController(config)
+    resumed.load_state_dict(dict(first.state_dict()))
+    assert resumed.w_star == pytest.approx(first.w_star) and not math.isnan(resumed.w_star)
+    for b, c, expected in zip(batches[3:], w_stars[3:], outputs[3:], strict=True):
+        assert torch.equal(resumed(*b, critical_weight=c)[0], expected)
+    old = {k: v for k, v in first.state_dict().items() if k != "w_star"}  # saved before the critical mode
+    resumed.load_state_dict(old)
+    assert math.isnan(resumed.w_star)
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
+        (dict(w_mode="critical", w=2.0, w_max=1.5), "w_max"),
+        (dict(w_mode="target"), "w_mode must be one of fixed, adaptive, critical"),
+        (dict(w_margin=-0.1), "w_margin must be a finite number >= 0"),
+        (dict(w_smoothing=1.0), r"w_smoothing must be in \[0, 1\)"),
         (dict(gate="btach"), "gate must be one of batch, sample, token, off"),
         (dict(op="X"), "op must be one of O1"),
         (dict(w=0.9), "w must be >= 1"),
         (dict(m=1.2), "m must be in"),
-        (dict(schedule="adaptive", w=2.0, w_max=1.5), "w_max"),
+        (dict(w_mode="adaptive", w=2.0, w_max=1.5), "w_max"),
         (dict(top_ratio=1.5), "top_ratio"),
     ],
 )

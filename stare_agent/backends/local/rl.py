@@ -292,10 +292,22 @@ class Trainer:
             padded["ids"], padded["attention"], mask, padded["rollout_logprobs"], old_logprobs, entropy, s2,
             advantages, weights=torch.ones_like(old_logprobs),
         )  # fmt: skip
-        batch.weights, stare_metrics = self.controller(batch.surprisal, advantages, mask, entropy)
         timings["time/stare"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        high_pos = select_quadrants(batch.surprisal, advantages, mask, cfg.stare.top_ratio, ("high+",))["high+"]
+        theory = batch_diagnostics(batch.surprisal, advantages, mask, entropy, s2, high_pos)
+        timings["time/theory"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        batch.weights, stare_metrics = self.controller(
+            batch.surprisal, advantages, mask, entropy, critical_weight=theory["theory/critical_weight"]
+        )
+        timings["time/stare"] += time.perf_counter() - started
         metrics = {
             **{k: float(v) for k, v in stare_metrics.items()},
+            **{k: float(v) for k, v in theory.items() if k != "theory/regime"},
+            "theory/regime": REGIMES[int(theory["theory/regime"])],
             "stare/w": self.controller.w,
             "stare/m": self.controller.m,
             **self._check_mismatch(batch),
@@ -367,14 +379,6 @@ class Trainer:
         batch, metrics = self.prepare(groups)
 
         started = time.perf_counter()
-        surprisal = batch.surprisal
-        high_pos = select_quadrants(surprisal, batch.advantages, batch.action_mask, cfg.stare.top_ratio, ("high+",))
-        theory = batch_diagnostics(
-            surprisal, batch.advantages, batch.action_mask, batch.entropy, batch.s2, high_pos["high+"]
-        )
-        metrics["time/theory"] = time.perf_counter() - started
-
-        started = time.perf_counter()
         metrics.update(self.accumulate_gradients(batch))
         metrics["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
         metrics["time/backward"] = time.perf_counter() - started
@@ -383,8 +387,6 @@ class Trainer:
                 "train/lr": self.scheduler.get_last_lr()[0],
                 "train/tokens": float(batch.attention.sum()),
                 "train/action_tokens": float(batch.action_mask.sum()),
-                **{k: float(v) for k, v in theory.items() if k != "theory/regime"},
-                "theory/regime": REGIMES[int(theory["theory/regime"])],
             }
         )
         return metrics

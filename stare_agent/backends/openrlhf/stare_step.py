@@ -46,8 +46,9 @@ def _pad(parts: Sequence[Tensor], width: int, value: float) -> Tensor:
 def stare_step(controller: StareController, parts: Sequence[MicroBatch]) -> tuple[list[Tensor], dict[str, float]]:
     """The STARE weights of every micro-batch (each the shape of its action mask) and the step's metrics.
 
-    Calls the controller exactly once (its adaptive W/M and gate see the whole batch), then the first-order
-    diagnostics of theory.batch_diagnostics on the same batch (`theory/regime` as its name).
+    Computes the first-order diagnostics of theory.batch_diagnostics on the whole batch (`theory/regime` as
+    its name), then calls the controller exactly once with the batch's W* (its adaptive or critical W/M and
+    its gate see the whole batch).
     """
     if not parts:
         raise ValueError("stare_step needs at least one micro-batch")
@@ -59,9 +60,11 @@ def stare_step(controller: StareController, parts: Sequence[MicroBatch]) -> tupl
     s2 = _pad([p.s2.float() for p in parts], width, 0.0)
     surprisal = torch.where(mask, -log_probs, torch.zeros_like(log_probs))
 
-    weights, stare_metrics = controller(surprisal, advantages, mask, entropy)
     high_pos = select_quadrants(surprisal, advantages, mask, controller.config.top_ratio, ("high+",))["high+"]
     theory = batch_diagnostics(surprisal, advantages, mask, entropy, s2, high_pos)
+    weights, stare_metrics = controller(
+        surprisal, advantages, mask, entropy, critical_weight=theory["theory/critical_weight"]
+    )
 
     metrics = {k: float(v) for k, v in stare_metrics.items()}
     metrics.update({k: float(v) for k, v in theory.items() if k != "theory/regime"})
