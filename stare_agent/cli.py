@@ -22,6 +22,7 @@ from sandbox.configfile import fields_of
 from stare_agent.config import (
     ConfigError,
     EvalConfig,
+    ExperimentConfig,
     QuickstartConfig,
     RLConfig,
     SFTConfig,
@@ -38,6 +39,7 @@ COMMANDS: dict[str, tuple[type, str]] = {
     "rl": (RLConfig, "stare_agent.backends.local.rl"),
     "eval": (EvalConfig, "stare_agent.backends.local.evaluate"),
     "quickstart": (QuickstartConfig, "stare_agent.backends.local.quickstart"),
+    "experiment": (ExperimentConfig, "stare_agent.backends.local.experiment"),
 }
 CONFIGS: dict[str, type] = {name: config_class for name, (config_class, _) in COMMANDS.items()}
 
@@ -91,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         "quickstart", help="tiny model, synthetic data, SFT, GRPO-ds and STARE, eval, plots (~22 min on 2 CPU cores)"
     )
     _add_config_args(quickstart, "quickstart")
+    experiment = sub.add_parser(
+        "experiment", help="RL variants x seeds from one SFT checkpoint, held-out evaluation, a report with intervals"
+    )
+    _add_config_args(experiment, "experiment")
     plot = sub.add_parser("plot", help="redraw the plots of an RL run or a quickstart folder from its metrics")
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("--target-entropy", type=float, default=None, help="H_tgt line (default: from config.yaml)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -25,6 +26,7 @@ __all__ = [
     "AgentConfig",
     "ConfigError",
     "EvalConfig",
+    "ExperimentConfig",
     "QuickstartConfig",
     "ModelConfig",
     "OptimConfig",
@@ -488,6 +490,55 @@ class QuickstartConfig:
             agent=_quickstart_agent(), k=4, temperature=1.0, top_p=1.0, max_turn_tokens=160, batch_size=64
         )
     )
+
+
+_VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass
+class ExperimentConfig(QuickstartConfig):
+    """`stare-agent experiment`: the quickstart's pipeline with several RL variants and seeds, for measurements.
+
+    Data, tiny model and SFT are made once (seeded by run.seed); then every variant runs RL for every seed
+    from that SFT checkpoint, each run is evaluated on the held-out problems, and a report with intervals
+    over seeds is written. Every stage that has finished is reused, so the same command resumes a sweep,
+    and several commands with different `seeds` or `only` may run at once on one output folder."""
+
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """RL seeds (each sets rl.run.seed: the prompts drawn and the sampling)."""
+    variants: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {"grpo-ds": {"enabled": False}, "stare-O1": {"enabled": True, "op": "O1"}}
+    )
+    """name -> keys of `rl.stare` that this variant changes (the rest is rl.stare)."""
+    only: list[str] = field(default_factory=list)
+    """Variants to run now (empty = all); the report covers every finished run."""
+    stage: Literal["all", "prepare", "report"] = "all"
+    """all: whatever is missing, then the report; prepare: data, model, SFT and its evaluation; report: only that."""
+
+    def __post_init__(self) -> None:
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be a non-empty list of distinct integers; got {self.seeds}")
+        if not self.variants:
+            raise ValueError("variants must name at least one variant")
+        for name in self.variants:
+            if not _VARIANT_NAME.fullmatch(name):
+                raise ValueError(f"variant name {name!r} must be letters, digits, '_', '.' or '-' (it names folders)")
+            self.variant_stare(name)
+        unknown = [name for name in self.only if name not in self.variants]
+        if unknown:
+            raise ValueError(f"only names unknown variants {unknown}; the variants are {', '.join(self.variants)}")
+
+    def variant_stare(self, name: str) -> StareConfig:
+        """rl.stare with the variant's changes applied (checked like any StareConfig)."""
+        changes = self.variants[name] or {}
+        allowed = {f.name for f in dataclasses.fields(StareConfig)}
+        unknown = sorted(set(changes) - allowed)
+        if unknown:
+            raise ValueError(f"variants.{name}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+        try:
+            return dataclasses.replace(self.rl.stare, **changes)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"variants.{name}: {exc}") from None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -280,7 +280,8 @@ class StareConfig:
         adaptive = self.w_mode == "adaptive"
         capped = self.w_mode != "fixed"
         if not 1.0 <= self.w <= (self.w_max if capped else math.inf):
-            raise ValueError(f"w must be >= 1 (and <= w_max={self.w_max} when w_mode is {self.w_mode}); got {self.w}")
+            cap = f" and <= w_max={self.w_max} when w_mode is {self.w_mode}" if capped else ""
+            raise ValueError(f"w must be >= 1{cap}; got {self.w}")
         if not (0.0 < self.m <= 1.0 and (not adaptive or self.m >= self.m_min)):
             raise ValueError(f"m must be in (0, 1] (and >= m_min={self.m_min} when adaptive); got {self.m}")
         if self.alpha < 0:

@@ -94,7 +94,7 @@ def run_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _make_data(config: QuickstartConfig, run_dir: Path) -> dict[str, Path]:
+def make_data(config: QuickstartConfig, run_dir: Path) -> dict[str, Path]:
     tasks, seed = config.tasks, config.run.seed
     common = {"difficulty": tasks.difficulty, "families": tasks.families or None}
     sft_problems = generate_tasks(tasks.sft_examples, seed=seed, split="train", **common)
@@ -138,7 +138,7 @@ def run(config: QuickstartConfig) -> Path:
 
     started = time.perf_counter()
     print("quickstart 1/5: synthetic tasks and SFT transcripts (code run in the sandbox)")
-    files = _make_data(config, run_dir)
+    files = make_data(config, run_dir)
     timings["data"] = time.perf_counter() - started
 
     started = time.perf_counter()

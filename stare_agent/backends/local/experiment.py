@@ -1,0 +1,365 @@
+"""`stare-agent experiment`: RL variants x seeds from one SFT checkpoint, each evaluated on held-out problems.
+
+The folder `run.output_dir/run.name` holds, as the quickstart's does:
+
+    config.yaml, data/, model/, sft/, eval-sft/          made once ("prepare"), seeded by run.seed
+    rl-<variant>-s<seed>/, eval-<variant>-s<seed>/      one RL run and its evaluation per variant and seed
+    report.md, report.json, entropy.png                 over every finished run ("report")
+
+A stage whose output is complete is skipped, so rerunning the command resumes a sweep. The shared stages run
+under a file lock, so several commands (say `seeds=[0]` and `seeds=[1]`, one per core) may share one folder.
+Each run's numbers come from its own metrics.jsonl and eval results; the report's intervals are over seeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import random
+import statistics
+from collections.abc import Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from stare_agent.backends.local import evaluate, rl, sft
+from stare_agent.backends.local.common import latest_checkpoint, read_metrics
+from stare_agent.backends.local.quickstart import logged, make_data, mean, run_summary
+from stare_agent.config import ExperimentConfig, RunConfig, run_path, save_config
+from stare_agent.models import build_tiny_model, tiny_corpus
+from stare_agent.theory import REGIMES
+
+LEVEL = 0.95
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created), held for the block: one process prepares, the others wait."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _final_checkpoint(run_dir: Path, steps: int | None) -> Path | None:
+    """The run's last checkpoint if the run finished (`steps` reached, or any checkpoint when steps is None)."""
+    last = latest_checkpoint(run_dir)
+    if last is None or (steps is not None and last.name != f"step-{steps:06d}"):
+        return None
+    return last
+
+
+def _stage_run(run_dir: Path, name: str, seed: int, threads: int) -> RunConfig:
+    return RunConfig(output_dir=str(run_dir), name=name, seed=seed, threads=threads)
+
+
+def prepare(config: ExperimentConfig, run_dir: Path) -> dict[str, Path]:
+    """Data, tiny model, SFT and the SFT model's evaluation, each made only if missing; their paths."""
+    data_dir, seed = run_dir / "data", config.run.seed
+    with _locked(run_dir / ".prepare.lock"):
+        files = {
+            name: data_dir / f"{stem}.jsonl" for name, stem in (("sft", "sft"), ("rl", "rl_train"), ("test", "test"))
+        }
+        if not all(path.exists() for path in files.values()):
+            print("experiment: synthetic tasks and SFT transcripts (code run in the sandbox)")
+            files = make_data(config, run_dir)
+        model_dir = run_dir / "model"
+        if not (model_dir / "config.json").exists():
+            print("experiment: tiny model and tokenizer")
+            corpus = tiny_corpus() + [
+                m["content"] for line in files["sft"].read_text().splitlines() for m in json.loads(line)["messages"]
+            ]
+            build_tiny_model(model_dir, corpus, **asdict(config.model), seed=seed)
+        checkpoint = _final_checkpoint(run_dir / "sft", None)
+        if checkpoint is None:
+            print("experiment: SFT")
+            checkpoint = sft.run(
+                replace(
+                    config.sft,
+                    run=_stage_run(run_dir, "sft", seed, config.run.threads),
+                    model=replace(config.sft.model, path=str(model_dir)),
+                    data=replace(config.sft.data, train_file=str(files["sft"])),
+                )
+            )
+        _evaluate(config, run_dir, "eval-sft", checkpoint, files["test"], seed)
+    return {**files, "sft_model": checkpoint}
+
+
+def _evaluate(config: ExperimentConfig, run_dir: Path, name: str, model: Path, test: Path, seed: int) -> None:
+    if (run_dir / name / "results.json").exists():
+        return
+    print(f"experiment: evaluating {name.removeprefix('eval-')} on {test}")
+    evaluate.run(
+        replace(
+            config.eval,
+            run=_stage_run(run_dir, name, seed, config.run.threads),
+            model=replace(config.eval.model, path=str(model)),
+            files=[str(test)],
+        )
+    )
+
+
+def run_variant(config: ExperimentConfig, run_dir: Path, files: dict[str, Path], variant: str, seed: int) -> None:
+    """One RL run (resumed from its last checkpoint if it was cut short) and its evaluation."""
+    name = f"{variant}-s{seed}"
+    final = _final_checkpoint(run_dir / f"rl-{name}", config.rl.steps)
+    if final is None:
+        print(f"experiment: RL {name}, {config.rl.steps} steps")
+        final = rl.run(
+            replace(
+                config.rl,
+                run=_stage_run(run_dir, f"rl-{name}", seed, config.run.threads),
+                model=replace(config.rl.model, path=str(files["sft_model"])),
+                data=replace(config.rl.data, train_file=str(files["rl"])),
+                stare=config.variant_stare(variant),
+                resume="auto",
+            )
+        )
+    # Every model is scored with the same evaluation seed: the comparison between runs is paired.
+    _evaluate(config, run_dir, f"eval-{name}", final, files["test"], config.run.seed)
+
+
+def run(config: ExperimentConfig) -> Path:
+    run_dir = run_path(config.run, "experiment")
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        save_config(config, run_dir)
+    if config.stage != "report":
+        files = prepare(config, run_dir)
+        if config.stage == "all":
+            for seed in config.seeds:
+                for variant in config.only or list(config.variants):
+                    run_variant(config, run_dir, files, variant, seed)
+    report = write_report(config, run_dir)
+    print(report.read_text())
+    print(f"experiment: everything is in {run_dir}")
+    return run_dir
+
+
+# --- the report -------------------------------------------------------------------------------------------
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile (0.5 <= p < 1) of Student's t with df degrees of freedom.
+
+    Bisection on the CDF, 0.5 + the integral of the density from 0 (Simpson's rule, 2,000 intervals):
+    accurate to about 1e-6 for the 95% intervals used here, without scipy in the dependencies.
+    """
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def density(t: float) -> float:
+        return math.exp(log_c - (df + 1) / 2 * math.log1p(t * t / df))
+
+    def cdf(x: float, n: int = 2000) -> float:
+        h = x / n
+        inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, n))
+        return 0.5 + (density(0.0) + inner + density(x)) * h / 3
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def t_interval(values: list[float], level: float = LEVEL) -> tuple[float, float | None, float | None]:
+    """(mean, low, high): the t-interval for the mean of `values`; no interval (None, None) from one value."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, None, None
+    half = t_quantile(0.5 + level / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, m - half, m + half
+
+
+def bootstrap_interval(per_problem: list[float], level: float = LEVEL, draws: int = 2000) -> tuple[float, float]:
+    """Percentile bootstrap over problems of the mean of `per_problem` (fixed seed: the same data, the same
+    interval). The evaluation noise of one model on one test set; the seed intervals include it."""
+    rng = random.Random(0)
+    n = len(per_problem)
+    means = sorted(sum(rng.choices(per_problem, k=n)) / n for _ in range(draws))
+    return means[int((1 - level) / 2 * draws)], means[int((1 + level) / 2 * draws) - 1]
+
+
+def eval_numbers(eval_dir: Path) -> dict[str, Any] | None:
+    """avg@k, pass@k (largest k) and the per-problem accuracies of a finished evaluation; None if unfinished."""
+    results = eval_dir / "results.json"
+    if not results.exists():
+        return None
+    (report,) = json.loads(results.read_text())  # one benchmark: the held-out test file
+    problems = json.loads((eval_dir / f"{report['name']}.json").read_text())["problems"]
+    # a problem's accuracy over its scored samples; one whose samples all hit a sandbox error is not scored
+    scored = [[r for r in p["rewards"] if r is not None] for p in problems]
+    accuracy = [sum(r > 0 for r in rewards) / len(rewards) for rewards in scored if rewards]
+    k_max = max(int(k) for k in report["pass_at"])
+    return {
+        "avg@k": report["avg_at_k"],
+        "k": report["samples_per_problem"],
+        f"pass@{k_max}": report["pass_at"][str(k_max)],
+        "pass_k": k_max,
+        "per_problem": accuracy,
+        "tool_calls": report["mean_tool_calls"],
+        "response_tokens": report["mean_response_length"],
+    }
+
+
+def entropy_band(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Band tightness and gate behaviour of one run: final-window entropy spread and gate flips."""
+    entropy = logged(rows, "stare/entropy_mean")
+    tail = entropy[-max(1, len(entropy) // 4) :]
+    gates = logged(rows, "stare/gate")
+    return {
+        "entropy_final_window_std": statistics.pstdev(tail) if len(tail) > 1 else None,
+        "entropy_drop": (mean(entropy[:5]) - mean(tail)) if entropy else None,
+        "gate_flips": sum(a != b for a, b in zip(gates[:-1], gates[1:], strict=True)) if gates else None,
+        "w_mean": mean(logged(rows, "stare/w")) if gates else None,  # no gate logged: STARE off, W unused
+    }
+
+
+def collect(config: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
+    """Every finished run's numbers: {"sft": eval numbers, "runs": {variant: {seed: {...}}}}."""
+    out: dict[str, Any] = {"sft": eval_numbers(run_dir / "eval-sft"), "runs": {}}
+    for variant in config.variants:
+        for seed in sorted({*config.seeds, *_seeds_on_disk(run_dir, variant)}):
+            name = f"{variant}-s{seed}"
+            held_out = eval_numbers(run_dir / f"eval-{name}")
+            if held_out is None:
+                continue
+            rows = read_metrics(run_dir / f"rl-{name}")
+            out["runs"].setdefault(variant, {})[seed] = {
+                **run_summary(rows),
+                **entropy_band(rows),
+                "held_out": held_out,
+                "entropy": logged(rows, "stare/entropy_mean"),
+            }
+    return out
+
+
+def _seeds_on_disk(run_dir: Path, variant: str) -> list[int]:
+    prefix = f"eval-{variant}-s"
+    seeds = []
+    for path in run_dir.glob(f"{prefix}*"):
+        tail = path.name.removeprefix(prefix)
+        if tail.isdigit():
+            seeds.append(int(tail))
+    return seeds
+
+
+def _cell(values: list[float], digits: int, scale: float = 1.0) -> str:
+    values = [v * scale for v in values if v is not None]
+    if not values:
+        return "-"
+    m, lo, hi = t_interval(values)
+    return f"{m:.{digits}f}" if lo is None else f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def write_report(config: ExperimentConfig, run_dir: Path) -> Path:
+    """report.md and report.json over every finished run, and entropy.png."""
+    data = collect(config, run_dir)
+    sft_numbers = data["sft"]
+    lines = [f"# Experiment `{run_dir.name}`", ""]
+    lines.append(
+        f"RL: {config.rl.steps} steps of {config.rl.rollout.prompts_per_step} prompts x "
+        f"{config.rl.rollout.group_size} rollouts, lr {config.rl.optim.lr:g}, from one SFT checkpoint "
+        f"(SFT epochs: {config.sft.epochs}). Held out: {config.tasks.test_problems} problems x k = {config.eval.k} "
+        f"at T = {config.eval.temperature:g}. Intervals: {LEVEL:.0%} t-intervals over seeds; the SFT row's is a "
+        "bootstrap over problems (its evaluation noise)."
+    )
+    lines.append("")
+    pass_key = f"pass@{sft_numbers['pass_k']}" if sft_numbers else "pass@k"
+    lines += [
+        f"| model | seeds | held-out avg@k (%) | held-out {pass_key} (%) | avg@k minus SFT (points) "
+        "| final-window entropy | entropy drop (first 5 minus final window) | final-window entropy std "
+        "| gate on | gate flips | mean W | " + " / ".join(REGIMES) + " (steps, summed) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    if sft_numbers:
+        lo, hi = bootstrap_interval(sft_numbers["per_problem"])
+        lines.append(
+            f"| SFT | - | {100 * sft_numbers['avg@k']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] "
+            f"| {100 * sft_numbers[pass_key]:.1f} | - | - | - | - | - | - | - | - |"
+        )
+    summary: dict[str, Any] = {"sft": _without_lists(sft_numbers), "variants": {}}
+    for variant, by_seed in data["runs"].items():
+        runs = list(by_seed.values())
+        held = [r["held_out"] for r in runs]
+        diffs = [h["avg@k"] - sft_numbers["avg@k"] for h in held] if sft_numbers else []
+        regimes = {name: sum((r["regimes"] or {}).get(name, 0) for r in runs) for name in REGIMES}
+        lines.append(
+            f"| {variant} | {len(runs)} | {_cell([h['avg@k'] for h in held], 1, 100)} "
+            f"| {_cell([h.get(pass_key) for h in held], 1, 100)} | {_cell(diffs, 1, 100)} "
+            f"| {_cell([r['entropy_final_window_mean'] for r in runs], 3)} "
+            f"| {_cell([r['entropy_drop'] for r in runs], 3)} "
+            f"| {_cell([r['entropy_final_window_std'] for r in runs], 3)} "
+            f"| {_cell([r['gate_fraction'] for r in runs], 2)} | {_cell([r['gate_flips'] for r in runs], 1)} "
+            f"| {_cell([r['w_mean'] for r in runs], 2)} | " + " / ".join(str(regimes[n]) for n in REGIMES) + " |"
+        )
+        summary["variants"][variant] = {
+            str(seed): _without_lists(r) | {"held_out": _without_lists(r["held_out"])} for seed, r in by_seed.items()
+        }
+    lines += [
+        "",
+        "Per run:",
+        "",
+        f"| model | seed | avg@k (%) | {pass_key} (%) | first-5 entropy | final-window entropy "
+        "| final-window rollout accuracy | gate on | median W* (defined steps) |",
+        "|---|---:|" + "---:|" * 7,
+    ]
+    for variant, by_seed in data["runs"].items():
+        for seed, r in sorted(by_seed.items()):
+            h, w_star = r["held_out"], r["critical_weight"]
+            median = "-" if w_star["median"] is None else f"{w_star['median']:.2f}"
+            lines.append(
+                f"| {variant} | {seed} | {100 * h['avg@k']:.1f} | {100 * h[pass_key]:.1f} "
+                f"| {r['entropy_first5_mean']:.3f} | {r['entropy_final_window_mean']:.3f} "
+                f"| {r['rollout_accuracy_final_window']:.2f} | {_num(r['gate_fraction'])} "
+                f"| {median} ({w_star['n']}/{r['steps']}) |"
+            )
+    figure = _plot(data["runs"], run_dir / "entropy.png", config.rl.stare.target_entropy)
+    if figure:
+        lines += ["", f"![entropy]({figure.name})"]
+    (run_dir / "report.json").write_text(json.dumps(summary, indent=2))
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _without_lists(numbers: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if numbers is None else {k: v for k, v in numbers.items() if not isinstance(v, list)}
+
+
+def _plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, target: float) -> Path | None:
+    """Entropy per step: each seed thin, the mean over seeds thick, one colour per variant."""
+    if not runs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (variant, by_seed) in enumerate(runs.items()):
+        colour = f"C{i}"
+        curves = [r["entropy"] for r in by_seed.values()]
+        for curve in curves:
+            ax.plot(range(1, len(curve) + 1), curve, color=colour, lw=0.6, alpha=0.35)
+        length = min(len(c) for c in curves)
+        average = [statistics.fmean(c[j] for c in curves) for j in range(length)]
+        ax.plot(range(1, length + 1), average, color=colour, lw=2, label=f"{variant} (mean of {len(curves)})")
+    ax.axhline(target, color="grey", ls="--", lw=1, label=f"H_tgt = {target:g}")
+    ax.set(xlabel="RL step", ylabel="policy entropy (nats, action tokens)", title="entropy per step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

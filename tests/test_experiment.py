@@ -1,0 +1,109 @@
+"""`stare-agent experiment`: a tiny sweep end to end, resuming, the report's numbers, the config's checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from stare_agent.backends.local import experiment
+from stare_agent.cli import main
+from stare_agent.config import ConfigError, ExperimentConfig, load_config
+
+TINY = [
+    "model.hidden_size=64",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.intermediate_size=128",
+    "model.num_layers=1",
+    "tasks.sft_examples=16",
+    "tasks.rl_prompts=24",
+    "tasks.test_problems=3",
+    "sft.epochs=1",
+    "sft.micro_batch_size=8",
+    "rl.steps=2",
+    "rl.rollout.prompts_per_step=2",
+    "rl.rollout.group_size=2",
+    "rl.rollout.max_turn_tokens=24",
+    "rl.rollout.max_refill_rounds=0",
+    "rl.rollout.dynamic_sampling=false",
+    "eval.k=2",
+    "eval.max_turn_tokens=24",
+]
+
+
+@pytest.mark.slow
+def test_a_tiny_sweep_runs_resumes_and_reports(tmp_path, capsys):
+    overrides = [
+        f"run.output_dir={tmp_path}",
+        "run.name=sweep",
+        *TINY,
+        "seeds=[0, 1]",
+        "variants={grpo-ds: {enabled: false}, critical: {w_mode: critical, w_max: 8.0, w: 1.5}}",
+    ]
+    run_dir = experiment.run(load_config(ExperimentConfig, None, overrides))
+    names = {p.name for p in run_dir.iterdir()}
+    expected = {f"{kind}-{v}-s{s}" for kind in ("rl", "eval") for v in ("grpo-ds", "critical") for s in (0, 1)}
+    assert expected | {"data", "model", "sft", "eval-sft", "report.md", "report.json", "entropy.png"} <= names
+    assert "w_mode: critical" in (run_dir / "rl-critical-s1" / "config.yaml").read_text()
+    assert "enabled: false" in (run_dir / "rl-grpo-ds-s0" / "config.yaml").read_text()
+
+    report = json.loads((run_dir / "report.json").read_text())
+    for variant in ("grpo-ds", "critical"):
+        for seed in (0, 1):
+            saved = json.loads((run_dir / f"eval-{variant}-s{seed}" / "results.json").read_text())[0]
+            assert report["variants"][variant][str(seed)]["held_out"]["avg@k"] == saved["avg_at_k"]
+    text = (run_dir / "report.md").read_text()
+    values = [report["variants"]["grpo-ds"][s]["held_out"]["avg@k"] * 100 for s in ("0", "1")]
+    low, high = experiment.t_interval(values)[1:]
+    assert f"| grpo-ds | 2 | {statistics.fmean(values):.1f} [{low:.1f}, {high:.1f}]" in text
+
+    # Everything finished is reused: a second run trains and evaluates nothing (no new metrics rows or files).
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.suffix != ".png"}
+    before = {p: t for p, t in before.items() if p.name not in {"report.md", "report.json"}}
+    capsys.readouterr()
+    assert main(["experiment", *overrides]) == 0
+    assert "experiment: RL" not in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+
+    # A cut-short RL run is resumed, and a new seed adds only its own runs.
+    (run_dir / "eval-grpo-ds-s1" / "results.json").unlink()
+    assert main(["experiment", *overrides[:-2], "seeds=[1, 2]", "only=[grpo-ds]", overrides[-1]]) == 0
+    out = capsys.readouterr().out
+    assert "experiment: RL grpo-ds-s2" in out and "experiment: RL grpo-ds-s1" not in out
+    assert "evaluating grpo-ds-s1" in out and not (run_dir / "rl-critical-s2").exists()
+    assert "| grpo-ds | 3 |" in (run_dir / "report.md").read_text()
+
+
+def test_t_interval_matches_known_quantiles():
+    assert experiment.t_quantile(0.975, 2) == pytest.approx(4.302653, abs=1e-4)
+    assert experiment.t_quantile(0.975, 9) == pytest.approx(2.262157, abs=1e-4)
+    m, lo, hi = experiment.t_interval([1.0, 2.0, 3.0])
+    assert (m, hi - m) == pytest.approx((2.0, 4.302653 / math.sqrt(3)), abs=1e-4) and m - lo == pytest.approx(hi - m)
+    assert experiment.t_interval([5.0])[1:] == (None, None)
+
+
+def test_bootstrap_interval_covers_the_mean_and_shrinks_with_more_problems():
+    few = [1.0, 0.0] * 8
+    many = few * 16
+    lo_few, hi_few = experiment.bootstrap_interval(few)
+    lo_many, hi_many = experiment.bootstrap_interval(many)
+    assert lo_few < 0.5 < hi_few and lo_many < 0.5 < hi_many
+    assert hi_many - lo_many < 0.5 * (hi_few - lo_few)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("variants={a: {wx: 1}}", r"variants.a: unknown key\(s\) \['wx'\]"),
+        ("variants={a: {w: 0.5}}", "variants.a: w must be >= 1; got 0.5"),
+        ("variants={a/b: {}}", "variant name 'a/b' must be letters"),
+        ("only=[nope]", r"only names unknown variants \['nope'\]"),
+        ("seeds=[1, 1]", "seeds must be a non-empty list of distinct integers"),
+    ],
+)
+def test_bad_experiment_configs_are_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(ExperimentConfig, None, [override])
