@@ -6,8 +6,9 @@ The folder `run.output_dir/run.name` holds, as the quickstart's does:
     rl-<variant>-s<seed>/, eval-<variant>-s<seed>/      one RL run and its evaluation per variant and seed
     report.md, report.json, entropy.png                 over every finished run ("report")
 
-A stage whose output is complete is skipped, so rerunning the command resumes a sweep. The shared stages run
-under a file lock, so several commands (say `seeds=[0]` and `seeds=[1]`, one per core) may share one folder.
+A stage whose output is complete is skipped, so rerunning the command resumes a sweep. The shared stages and
+each run happen under a file lock, so several commands (say `seeds=[0]` and `seeds=[1]`, one per core) may
+share one folder: a command waits for a run another one is doing and then reuses it.
 Each run's numbers come from its own metrics.jsonl and eval results; the report's intervals are over seeds.
 """
 
@@ -107,6 +108,13 @@ def _evaluate(config: ExperimentConfig, run_dir: Path, name: str, model: Path, t
 def run_variant(config: ExperimentConfig, run_dir: Path, files: dict[str, Path], variant: str, seed: int) -> None:
     """One RL run (resumed from its last checkpoint if it was cut short) and its evaluation."""
     name = f"{variant}-s{seed}"
+    with _locked(run_dir / f".{name}.lock"):  # another command on this folder may be running the same one
+        _run_variant(config, run_dir, files, variant, seed, name)
+
+
+def _run_variant(
+    config: ExperimentConfig, run_dir: Path, files: dict[str, Path], variant: str, seed: int, name: str
+) -> None:
     final = _final_checkpoint(run_dir / f"rl-{name}", config.rl.steps)
     if final is None:
         print(f"experiment: RL {name}, {config.rl.steps} steps")
