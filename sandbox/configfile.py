@@ -102,9 +102,16 @@ def fields_of(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _unknown(root: type, key: str, known: Sequence[str], where: str) -> ConfigError:
-    """The error for an unknown key, suggesting a close name at this level or the same name in another section."""
+def _unknown(root: type, key: str, known: Sequence[str], where: str, cls: type | None = None) -> ConfigError:
+    """The error for an unknown key, suggesting a close name at this level or the same name in another section.
+
+    A key the dataclass `cls` lists in its RENAMED_KEYS ({old name: new name}) gets the new name instead.
+    """
     leaf = key.rsplit(".", 1)[-1]
+    renamed = getattr(cls, "RENAMED_KEYS", {}).get(leaf)
+    if renamed is not None:
+        new = key.rsplit(".", 1)[0] + "." + renamed if "." in key else renamed
+        return ConfigError(f"{where}: {key!r} was renamed to {new!r}; use that key instead")
     close = difflib.get_close_matches(leaf, known, n=1)
     elsewhere = [path for path in _dotted_keys(root) if path.rsplit(".", 1)[-1] == leaf]
     guess = elsewhere or close  # the same name in another section is the likelier intent
@@ -126,7 +133,7 @@ def _check_keys(root: type, cls: type, data: dict[str, Any], sources: dict[str, 
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
-            raise _unknown(root, dotted, list(fields), sources.get(dotted, "config"))
+            raise _unknown(root, dotted, list(fields), sources.get(dotted, "config"), cls)
         if dataclasses.is_dataclass(fields[key]) and isinstance(value, dict):
             _check_keys(root, fields[key], value, sources, dotted + ".")
 
@@ -168,7 +175,7 @@ def _parse_override(cls: type, item: str) -> tuple[list[str], Any]:
             raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth])} has no sub-keys")
         fields = fields_of(target)
         if part not in fields:
-            raise _unknown(cls, ".".join(parts[: depth + 1]), list(fields), f"override {item!r}")
+            raise _unknown(cls, ".".join(parts[: depth + 1]), list(fields), f"override {item!r}", target)
         target = fields[part]
     if dataclasses.is_dataclass(target):
         raise ConfigError(f"override {item!r}: {key} is a section; set one of its keys, e.g. {key}.<key>=...")

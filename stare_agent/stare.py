@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal, Union, get_args
+from typing import ClassVar, Literal, Union, get_args
 
 import torch
 from torch import Tensor
@@ -230,6 +230,9 @@ def token_weights(
 @dataclass
 class StareConfig:
     """STARE settings. The defaults are the paper's for 7B models (DESIGN section 3)."""
+
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {"schedule": "w_mode"}
+    """Config keys of earlier versions: a config that still uses one gets an error naming the new key."""
 
     enabled: bool = True
     """False runs plain GRPO(-ds): every weight is 1."""

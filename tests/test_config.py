@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stare_agent.config import ConfigError, SimulateConfig, StareConfig, load_config, save_config
+from stare_agent.config import ConfigError, RLConfig, SimulateConfig, StareConfig, load_config, save_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,3 +178,14 @@ def test_an_override_below_a_mapping_sets_one_entry_dots_and_all(tmp_path):
         load_config(RLConfig, None, ["openrlhf.vllm.num_engines=8"])
     with pytest.raises(ConfigError, match="without the leading dashes, e.g. 'vllm.num_engines'"):
         load_config(RLConfig, None, ["backend=openrlhf", "openrlhf.--vllm.num_engines=8"])
+
+
+def test_a_renamed_key_names_its_new_name(tmp_path):
+    """stare.schedule became stare.w_mode: an old run's config.yaml or override says so, with the file's line."""
+    renamed = r"'stare.schedule' was renamed to 'stare.w_mode'"
+    with pytest.raises(ConfigError, match=r"override 'stare.schedule=adaptive': " + renamed):
+        load_config(RLConfig, None, ["stare.schedule=adaptive"])
+    old = tmp_path / "old.yaml"
+    old.write_text("steps: 3\nstare:\n  w: 1.2\n  schedule: fixed\n")
+    with pytest.raises(ConfigError, match=r"old.yaml:4: " + renamed):
+        load_config(RLConfig, old)
