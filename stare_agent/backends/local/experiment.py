@@ -203,15 +203,16 @@ def eval_numbers(eval_dir: Path) -> dict[str, Any] | None:
     (report,) = json.loads(results.read_text())  # one benchmark: the held-out test file
     problems = json.loads((eval_dir / f"{report['name']}.json").read_text())["problems"]
     # a problem's accuracy over its scored samples; one whose samples all hit a sandbox error is not scored
-    scored = [[r for r in p["rewards"] if r is not None] for p in problems]
-    accuracy = [sum(r > 0 for r in rewards) / len(rewards) for rewards in scored if rewards]
+    scored = {p["problem_id"]: [r for r in p["rewards"] if r is not None] for p in problems}
+    accuracy = {pid: sum(r > 0 for r in rewards) / len(rewards) for pid, rewards in scored.items() if rewards}
     k_max = max(int(k) for k in report["pass_at"])
     return {
         "avg@k": report["avg_at_k"],
         "k": report["samples_per_problem"],
         f"pass@{k_max}": report["pass_at"][str(k_max)],
         "pass_k": k_max,
-        "per_problem": accuracy,
+        "per_problem": list(accuracy.values()),
+        "by_problem": accuracy,
         "tool_calls": report["mean_tool_calls"],
         "response_tokens": report["mean_response_length"],
     }
@@ -226,8 +227,52 @@ def entropy_band(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "entropy_final_window_std": statistics.pstdev(tail) if len(tail) > 1 else None,
         "entropy_drop": (mean(entropy[:5]) - mean(tail)) if entropy else None,
         "gate_flips": sum(a != b for a, b in zip(gates[:-1], gates[1:], strict=True)) if gates else None,
+        # the reward signal: groups with unequal rewards among all groups sampled (refills included)
+        "informative_groups": _share_of(rows, "rollout/groups_kept", "rollout/groups_dropped_equal"),
         "w_mean": mean(logged(rows, "stare/w")) if gates else None,  # no gate logged: STARE off, W unused
     }
+
+
+def _share_of(rows: list[dict[str, Any]], part: str, rest: str) -> float | None:
+    kept, other = sum(r.get(part) or 0 for r in rows), sum(r.get(rest) or 0 for r in rows)
+    return kept / (kept + other) if kept + other else None
+
+
+def families(test_file: Path) -> dict[str, str]:
+    """problem id -> task family, from the test file's `meta.family` (synthetic tasks)."""
+    out = {}
+    for line in test_file.read_text().splitlines():
+        row = json.loads(line)
+        out[row["id"]] = (row.get("meta") or {}).get("family", "-")
+    return out
+
+
+def family_table(data: dict[str, Any], family_of: dict[str, str], pass_key: str) -> list[str]:
+    """Held-out avg@k (%) per task family: the SFT model, and each variant's mean over its seeds."""
+    names = sorted(set(family_of.values()))
+
+    def by_family(by_problem: dict[str, float]) -> dict[str, float]:
+        groups: dict[str, list[float]] = {}
+        for pid, accuracy in by_problem.items():
+            groups.setdefault(family_of.get(pid, "-"), []).append(accuracy)
+        return {name: statistics.fmean(v) for name, v in groups.items()}
+
+    columns = {"SFT": [by_family(data["sft"]["by_problem"])]} if data["sft"] else {}
+    for variant, by_seed in data["runs"].items():
+        columns[variant] = [by_family(r["held_out"]["by_problem"]) for r in by_seed.values()]
+    lines = [
+        "Held-out avg@k (%) per task family (variants: mean over seeds):",
+        "",
+        "| family | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for name in names:
+        cells = []
+        for runs in columns.values():
+            values = [r[name] for r in runs if name in r]
+            cells.append(f"{100 * statistics.fmean(values):.1f}" if values else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def collect(config: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
@@ -284,14 +329,14 @@ def write_report(config: ExperimentConfig, run_dir: Path) -> Path:
     lines += [
         f"| model | seeds | held-out avg@k (%) | held-out {pass_key} (%) | avg@k minus SFT (points) "
         "| final-window entropy | entropy drop (first 5 minus final window) | final-window entropy std "
-        "| gate on | gate flips | mean W | " + " / ".join(REGIMES) + " (steps, summed) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| gate on | gate flips | mean W | informative groups | " + " / ".join(REGIMES) + " (steps, summed) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     if sft_numbers:
         lo, hi = bootstrap_interval(sft_numbers["per_problem"])
         lines.append(
             f"| SFT | - | {100 * sft_numbers['avg@k']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] "
-            f"| {100 * sft_numbers[pass_key]:.1f} | - | - | - | - | - | - | - | - |"
+            f"| {100 * sft_numbers[pass_key]:.1f} | - | - | - | - | - | - | - | - | - |"
         )
     summary: dict[str, Any] = {"sft": _without_lists(sft_numbers), "variants": {}}
     for variant, by_seed in data["runs"].items():
@@ -306,7 +351,9 @@ def write_report(config: ExperimentConfig, run_dir: Path) -> Path:
             f"| {_cell([r['entropy_drop'] for r in runs], 3)} "
             f"| {_cell([r['entropy_final_window_std'] for r in runs], 3)} "
             f"| {_cell([r['gate_fraction'] for r in runs], 2)} | {_cell([r['gate_flips'] for r in runs], 1)} "
-            f"| {_cell([r['w_mean'] for r in runs], 2)} | " + " / ".join(str(regimes[n]) for n in REGIMES) + " |"
+            f"| {_cell([r['w_mean'] for r in runs], 2)} | {_cell([r['informative_groups'] for r in runs], 2)} | "
+            + " / ".join(str(regimes[n]) for n in REGIMES)
+            + " |"
         )
         summary["variants"][variant] = {
             str(seed): _without_lists(r) | {"held_out": _without_lists(r["held_out"])} for seed, r in by_seed.items()
@@ -329,6 +376,9 @@ def write_report(config: ExperimentConfig, run_dir: Path) -> Path:
                 f"| {r['rollout_accuracy_final_window']:.2f} | {_num(r['gate_fraction'])} "
                 f"| {median} ({w_star['n']}/{r['steps']}) |"
             )
+    test_file = run_dir / "data" / "test.jsonl"
+    if test_file.exists() and (sft_numbers or data["runs"]):
+        lines += ["", *family_table(data, families(test_file), pass_key)]
     figure = _plot(data["runs"], run_dir / "entropy.png", config.rl.stare.target_entropy)
     if figure:
         lines += ["", f"![entropy]({figure.name})"]
@@ -343,7 +393,10 @@ def _num(value: float | None) -> str:
 
 
 def _without_lists(numbers: dict[str, Any] | None) -> dict[str, Any] | None:
-    return None if numbers is None else {k: v for k, v in numbers.items() if not isinstance(v, list)}
+    """The scalars of `numbers` (per-problem and per-step series stay in their own files)."""
+    if numbers is None:
+        return None
+    return {k: v for k, v in numbers.items() if not isinstance(v, list) and k != "by_problem"}
 
 
 def _plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, target: float) -> Path | None:
