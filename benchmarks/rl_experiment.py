@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 from dataclasses import replace
 from pathlib import Path
 
 from stare_agent.backends.local import rl
 from stare_agent.backends.local.common import read_metrics, set_threads
+from stare_agent.backends.local.experiment import t_interval
 from stare_agent.backends.local.quickstart import REGIMES, mean, run_summary
 from stare_agent.config import RLConfig, RunConfig, load_config
 from stare_agent.plots import smooth
@@ -90,40 +89,6 @@ def block_table(runs: Runs, size: int) -> list[str]:
                 cells.append(f"{_fmt(entropy, 3)} / {_fmt(accuracy, 2)}")
             lines.append(f"| {variant} | {seed} | " + " | ".join(cells) + " |")
     return lines
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The p-quantile (0.5 <= p < 1) of Student's t with df degrees of freedom.
-
-    Bisection on the CDF, 0.5 + the integral of the density from 0 (Simpson's rule, 2,000 intervals):
-    accurate to about 1e-6 for the 95% intervals used here, without scipy in the dependencies.
-    """
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def density(t: float) -> float:
-        return math.exp(log_c - (df + 1) / 2 * math.log1p(t * t / df))
-
-    def cdf(x: float, n: int = 2000) -> float:
-        h = x / n
-        inner = sum((4 if i % 2 else 2) * density(i * h) for i in range(1, n))
-        return 0.5 + (density(0.0) + inner + density(x)) * h / 3
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        lo, hi = hi, 2 * hi
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float | None, float | None]:
-    """(mean, low, high): the t-interval for the mean of `values`; no interval (None, None) from one value."""
-    m = statistics.fmean(values)
-    if len(values) < 2:
-        return m, None, None
-    half = t_quantile(0.5 + level / 2, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return m, m - half, m + half
 
 
 def seed_summary(runs: Runs) -> tuple[list[str], dict[str, dict]]:

@@ -1,4 +1,5 @@
-"""benchmarks/rl_experiment.py and benchmarks/rl_diagnostics.py: their tables from hand-made metrics rows."""
+"""The scripts in benchmarks/ that read runs (rl_experiment, rl_diagnostics, heldout_noise): their tables from
+hand-made metrics rows and evaluation files."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from stare_agent.backends.local.experiment import t_quantile
 from stare_agent.config import QuickstartConfig, save_config
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -24,6 +26,7 @@ def _load(name: str):
 
 experiment = _load("rl_experiment")
 diagnostics = _load("rl_diagnostics")
+heldout_noise = _load("heldout_noise")
 
 
 def _row(step, entropy, accuracy, regime, w_star=None, lam=1.0, gam=1.0, precision=0.5):
@@ -76,7 +79,7 @@ def test_block_table_means_entropy_and_accuracy_per_block():
 
 @pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)])
 def test_t_quantile_matches_the_table(df, expected):
-    assert experiment.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+    assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
 
 
 def test_t_interval_and_the_cross_seed_summary():
@@ -131,3 +134,19 @@ def test_rl_experiment_on_finished_runs_only_prints_its_tables(tmp_path, capsys)
     assert "| grpo-ds | 2 | 0.125 [" in printed and "| grpo-ds | 1 | 0.200 / 0.30 | 0.150 / 0.70 |" in printed
     assert (out / "table.md").read_text().strip() in printed
     assert json.loads((out / "summary.json").read_text())["across_seeds"]["grpo-ds"]["seeds"] == [0, 1]
+
+
+def test_heldout_noise_prints_the_interval_of_each_prefix(tmp_path, capsys):
+    """Per-problem accuracies over scored samples (a sandbox error is not a sample), prefix by prefix."""
+    folder = tmp_path / "eval-x"
+    folder.mkdir()
+    rewards = [[1.0, 1.0], [0.0, None], [1.0, 0.0], [None, None]] * 10  # the last kind is unscored
+    problems = [{"problem_id": f"p{i}", "rewards": r} for i, r in enumerate(rewards)]
+    (folder / "test.json").write_text(json.dumps({"report": {}, "problems": problems}))
+    report = {"name": "test", "samples_per_problem": 2, "avg_at_k": 0.5, "pass_at": {"1": 0.5, "2": 0.6}}
+    (folder / "results.json").write_text(json.dumps([report | {"mean_tool_calls": 1.0, "mean_response_length": 9}]))
+    heldout_noise.main([str(folder), "--subsets", "3", "100"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| eval-x")]
+    assert [row.split(" | ")[1:3] for row in rows] == [["3", "50.0"], ["30", "50.0"]]  # 30 scored problems
+    with pytest.raises(SystemExit, match="no results.json"):
+        heldout_noise.main([str(tmp_path)])
