@@ -6,31 +6,13 @@ import json
 import statistics
 
 import pytest
+from tiny import TINY_QUICKSTART  # tests/tiny.py
 
 from stare_agent.backends.local import experiment
 from stare_agent.cli import main
 from stare_agent.config import ConfigError, ExperimentConfig, load_config
 
-TINY = [
-    "model.hidden_size=64",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.intermediate_size=128",
-    "model.num_layers=1",
-    "tasks.sft_examples=16",
-    "tasks.rl_prompts=24",
-    "tasks.test_problems=3",
-    "sft.epochs=1",
-    "sft.micro_batch_size=8",
-    "rl.steps=2",
-    "rl.rollout.prompts_per_step=2",
-    "rl.rollout.group_size=2",
-    "rl.rollout.max_turn_tokens=24",
-    "rl.rollout.max_refill_rounds=0",
-    "rl.rollout.dynamic_sampling=false",
-    "eval.k=2",
-    "eval.max_turn_tokens=24",
-]
+TINY = [*TINY_QUICKSTART, "eval.k=2"]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny import TINY_QUICKSTART  # tests/tiny.py
 
 from stare_agent.backends.local import evaluate, quickstart
 from stare_agent.cli import main
@@ -95,28 +96,7 @@ def test_the_quickstart_summary_is_computed_from_the_run_metrics():
 
 @pytest.mark.slow
 def test_a_small_quickstart_runs_end_to_end_and_plot_redraws(tmp_path):
-    overrides = [
-        f"run.output_dir={tmp_path}",
-        "run.name=qs",
-        "model.hidden_size=64",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "model.intermediate_size=128",
-        "model.num_layers=1",
-        "tasks.sft_examples=16",
-        "tasks.rl_prompts=24",
-        "tasks.test_problems=3",
-        "sft.epochs=1",
-        "sft.micro_batch_size=8",
-        "rl.steps=2",
-        "rl.rollout.prompts_per_step=2",
-        "rl.rollout.group_size=2",
-        "rl.rollout.max_turn_tokens=24",
-        "rl.rollout.max_refill_rounds=0",
-        "rl.rollout.dynamic_sampling=false",
-        "eval.k=1",
-        "eval.max_turn_tokens=24",
-    ]
+    overrides = [f"run.output_dir={tmp_path}", "run.name=qs", *TINY_QUICKSTART, "eval.k=1"]
     run_dir = quickstart.run(load_config(QuickstartConfig, None, overrides))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["rl"]) == {"rl-grpo-ds", "rl-stare-O1"} and set(summary["eval"]) == {
