@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stare_agent.backends.local.experiment import bootstrap_interval, eval_numbers
+from stare_agent.backends.local.experiment import eval_numbers
+from stare_agent.stats import bootstrap_interval
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from stare_agent.backends.local import rl
 from stare_agent.backends.local.common import read_metrics, set_threads
-from stare_agent.backends.local.experiment import t_interval
 from stare_agent.backends.local.quickstart import REGIMES, mean, run_summary
 from stare_agent.config import RLConfig, RunConfig, load_config
 from stare_agent.plots import smooth
+from stare_agent.stats import t_interval
 
 VARIANTS = {
     "grpo-ds": {"enabled": False},

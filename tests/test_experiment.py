@@ -11,6 +11,7 @@ from tiny import TINY_QUICKSTART  # tests/tiny.py
 from stare_agent.backends.local import experiment
 from stare_agent.cli import main
 from stare_agent.config import ConfigError, ExperimentConfig, load_config
+from stare_agent.stats import bootstrap_interval, t_interval
 
 TINY = [*TINY_QUICKSTART, "eval.k=2"]
 
@@ -38,7 +39,7 @@ def test_a_tiny_sweep_runs_resumes_and_reports(tmp_path, capsys):
             assert report["variants"][variant][str(seed)]["held_out"]["avg@k"] == saved["avg_at_k"]
     text = (run_dir / "report.md").read_text()
     values = [report["variants"]["grpo-ds"][s]["held_out"]["avg@k"] * 100 for s in ("0", "1")]
-    low, high = experiment.t_interval(values)[1:]
+    low, high = t_interval(values)[1:]
     assert f"| grpo-ds | 2 | {statistics.fmean(values):.1f} [{low:.1f}, {high:.1f}]" in text
 
     # Everything finished is reused: a second run trains and evaluates nothing (no new metrics rows or files).
@@ -61,8 +62,8 @@ def test_a_tiny_sweep_runs_resumes_and_reports(tmp_path, capsys):
 def test_bootstrap_interval_covers_the_mean_and_shrinks_with_more_problems():
     few = [1.0, 0.0] * 8
     many = few * 16
-    lo_few, hi_few = experiment.bootstrap_interval(few)
-    lo_many, hi_many = experiment.bootstrap_interval(many)
+    lo_few, hi_few = bootstrap_interval(few)
+    lo_many, hi_many = bootstrap_interval(many)
     assert lo_few < 0.5 < hi_few and lo_many < 0.5 < hi_many
     assert hi_many - lo_many < 0.5 * (hi_few - lo_few)
 

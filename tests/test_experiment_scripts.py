@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stare_agent.backends.local.experiment import t_quantile
 from stare_agent.config import QuickstartConfig, save_config
+from stare_agent.stats import t_quantile
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -107,6 +107,10 @@ def test_a_small_quickstart_runs_end_to_end_and_plot_redraws(tmp_path):
     for name in ("entropy", "reward", "accuracy", "response_length", "tool_calls"):
         assert (run_dir / "plots" / f"{name}.png").stat().st_size > 0
     assert "The STARE settings, measured on this run" in (run_dir / "summary.md").read_text()
+    for result in summary["eval"].values():  # the evaluation's own noise, next to each avg@k
+        low, high = result["avg@k_ci95"]
+        assert low <= result["avg@k"] <= high
+    assert "avg@k [95% bootstrap interval over problems]" in (run_dir / "summary.md").read_text()
     for stage in ("sft", "rl-grpo-ds", "rl-stare-O1", "eval-sft"):
         assert (run_dir / stage / "config.yaml").exists()
     (run_dir / "plots" / "entropy.png").unlink()

@@ -27,6 +27,7 @@ from stare_agent.config import QuickstartConfig, RunConfig, run_path, save_confi
 from stare_agent.data import write_records
 from stare_agent.models import build_tiny_model, tiny_corpus
 from stare_agent.stare import StareConfig
+from stare_agent.stats import bootstrap_interval
 from stare_agent.tasks import generate_tasks, make_sft_rows
 from stare_agent.theory import REGIMES
 
@@ -187,6 +188,8 @@ def run(config: QuickstartConfig) -> Path:
         )
         report = evaluate.run(eval_config)[0]
         results[name] = {"avg@k": report.avg_at_k, "pass@k": report.pass_at, "k": report.samples_per_problem}
+        per_problem = [sum(r > 0 for r in p.rewards) / len(p.rewards) for p in report.results if p.rewards]
+        results[name]["avg@k_ci95"] = list(bootstrap_interval(per_problem)) if per_problem else None
         results[name]["mean_tool_calls"] = report.mean_tool_calls
         results[name]["mean_response_length"] = report.mean_response_length
         timings[f"eval-{name}"] = time.perf_counter() - started
@@ -315,15 +318,22 @@ def summary_markdown(s: dict[str, Any]) -> str:
         "",
         "## Evaluation on held-out synthetic problems",
         "",
-        "| model | k | avg@k | pass@1 | pass@k | tool calls / episode | response tokens |",
+        "| model | k | avg@k [95% bootstrap interval over problems] | pass@1 | pass@k | tool calls / episode "
+        "| response tokens |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in s["eval"].items():
-        k = r["k"]
+        k, ci = r["k"], r.get("avg@k_ci95")
+        interval = f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""
         lines.append(
-            f"| {name} | {k} | {_fmt(r['avg@k'])} | {_fmt(r['pass@k'].get(1))} | {_fmt(r['pass@k'].get(k))} "
+            f"| {name} | {k} | {_fmt(r['avg@k'])}{interval} | {_fmt(r['pass@k'].get(1))} | {_fmt(r['pass@k'].get(k))} "
             f"| {_fmt(r['mean_tool_calls'], 2)} | {_fmt(r['mean_response_length'], 1)} |"
         )
+    lines += [
+        "",
+        "A difference between two models smaller than their intervals is not shown by this evaluation: see "
+        "docs/experiments.md for the comparison over RL seeds on 256 problems (`stare-agent experiment`).",
+    ]
     lines += ["", "## The STARE settings, measured on this run", "", st["measured"], "", "## Files", ""]
     lines += [f"- {name}: `{path}`" for name, path in s["models"].items()]
     lines += [f"- plot: `{p}`" for p in s["plots"]]
