@@ -1,12 +1,15 @@
 """Fixed, adaptive and critical W on the STARE toy task (stare-agent simulate's), over seeds.
 
-    python benchmarks/w_modes_toy.py [--seeds 0 1 2 3 4] [--steps 400] [--out docs/img/w_modes_toy.png]
+    python benchmarks/w_modes_toy.py [--config configs/simulate_small_steps.yaml] [--seeds 0 1 2 3 4]
+        [--steps N] [--target H] [--fixed 1.1 2] [--margins 0.1 0.5 1] [--out docs/img/w_modes_toy.png]
 
 The toy (docs/simulation.md) collapses under plain GRPO: entropy falls from about 1.2 to 0.15 nats in 400
-steps. Each mode runs O1 with the batch gate at H_tgt = 0.3 and P = 0.1 from the same start, once per seed:
+steps at the default step size; configs/simulate_small_steps.yaml is the smaller-step version where the
+first-order theory (and so W*) describes most of the change. Each mode runs O1 with the batch gate at the
+config's H_tgt and P = 0.1 from the same start, once per seed:
 
 - GRPO: STARE off (the collapse);
-- fixed W = 1.1 (the paper's) and W = 2;
+- fixed W, for each --fixed value (1.1 is the paper's);
 - adaptive: W from 1.1 stepping by alpha = 0.01 within [1, 1.5] (the paper's schedule);
 - critical: W = 1 + (1 + margin) (W*_smoothed - 1) for each --margins value, capped at 4, the fixed 1.1 where
   W* is undefined.
@@ -26,22 +29,18 @@ import statistics
 from pathlib import Path
 
 from stare_agent.backends.local.common import set_threads
-from stare_agent.config import RunConfig, SimulateConfig, ToyTaskConfig
+from stare_agent.config import RunConfig, SimulateConfig, load_config
 from stare_agent.simulate import train_toy
 from stare_agent.stare import StareConfig
 from stare_agent.stats import t_interval
 
-TARGET = 0.3
 
-
-def modes(margins: list[float]) -> dict[str, StareConfig]:
-    base = StareConfig(op="O1", top_ratio=0.1, gate="batch", target_entropy=TARGET)
-    out = {
-        "GRPO": dataclasses.replace(base, enabled=False),
-        "fixed W=1.1": dataclasses.replace(base, w=1.1),
-        "fixed W=2": dataclasses.replace(base, w=2.0),
-        "adaptive": dataclasses.replace(base, w=1.1, w_mode="adaptive", alpha=0.01, w_max=1.5),
-    }
+def modes(target: float, fixed: list[float], margins: list[float]) -> dict[str, StareConfig]:
+    base = StareConfig(op="O1", top_ratio=0.1, gate="batch", target_entropy=target)
+    out = {"GRPO": dataclasses.replace(base, enabled=False)}
+    for w in fixed:
+        out[f"fixed W={w:g}"] = dataclasses.replace(base, w=w)
+    out["adaptive"] = dataclasses.replace(base, w=1.1, w_mode="adaptive", alpha=0.01, w_max=1.5)
     for margin in margins:
         out[f"critical, margin {margin:g}"] = dataclasses.replace(
             base, w=1.1, w_mode="critical", w_max=4.0, w_margin=margin, w_smoothing=0.5
@@ -49,9 +48,9 @@ def modes(margins: list[float]) -> dict[str, StareConfig]:
     return out
 
 
-def run_numbers(rows: list[dict[str, float]]) -> dict[str, float]:
+def run_numbers(rows: list[dict[str, float]], target: float) -> dict[str, float]:
     """Band and gate numbers after entropy first reached the target (the whole run if it never did)."""
-    reached = next((i for i, r in enumerate(rows) if r["entropy"] < TARGET), None)
+    reached = next((i for i, r in enumerate(rows) if r["entropy"] < target), None)
     after = rows[reached:] if reached is not None else rows
     window = max(1, len(rows) // 5)
     gates = [r["gate"] for r in after if r["gate"] == r["gate"]]  # NaN with STARE off
@@ -59,7 +58,7 @@ def run_numbers(rows: list[dict[str, float]]) -> dict[str, float]:
     return {
         "reached_at": float(reached) if reached is not None else float("nan"),
         "entropy_mean": statistics.fmean(r["entropy"] for r in after),
-        "distance": statistics.fmean(abs(r["entropy"] - TARGET) for r in after),
+        "distance": statistics.fmean(abs(r["entropy"] - target) for r in after),
         "gate_on": statistics.fmean(gates) if gates else float("nan"),
         "flips_per_100": 100 * sum(a != b for a, b in zip(gates[:-1], gates[1:], strict=True)) / max(len(gates), 1)
         if gates
@@ -93,26 +92,30 @@ def cell(values: list[float], digits: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--config", type=Path, default=None, help="a simulate config: its toy task and H_tgt")
+    parser.add_argument("--steps", type=int, default=None, help="(default: the config's toy.steps)")
+    parser.add_argument("--target", type=float, default=None, help="H_tgt (default: the config's)")
+    parser.add_argument("--fixed", type=float, nargs="+", default=[1.1, 2.0], help="fixed W values")
     parser.add_argument("--margins", type=float, nargs="+", default=[0.1, 0.5, 1.0], help="critical-mode w_margin")
     parser.add_argument("--only", nargs="+", default=None, help="run only these modes (names as printed)")
     parser.add_argument("--csv", type=Path, default=None, help="every run's per-step rows")
     parser.add_argument("--out", type=Path, default=None, help="figure of the mean entropy per mode")
     args = parser.parse_args(argv)
     set_threads(RunConfig())  # one torch thread, as every command runs (docs/benchmarks.md)
-    task = dataclasses.replace(SimulateConfig().toy, steps=args.steps)
-    assert isinstance(task, ToyTaskConfig)
+    config = load_config(SimulateConfig, args.config)
+    task = dataclasses.replace(config.toy, steps=args.steps or config.toy.steps)
+    target = config.stare.target_entropy if args.target is None else args.target
     numbers: dict[str, list[dict[str, float]]] = {}
     curves: dict[str, list[list[float]]] = {}
     writer = None
     handle = args.csv.open("w", newline="") if args.csv else None
     try:
-        for name, stare in modes(args.margins).items():
+        for name, stare in modes(target, args.fixed, args.margins).items():
             if args.only and name not in args.only:
                 continue
             for seed in args.seeds:
                 rows = train_toy(task, stare, seed)
-                numbers.setdefault(name, []).append(run_numbers(rows))
+                numbers.setdefault(name, []).append(run_numbers(rows, target))
                 curves.setdefault(name, []).append([r["entropy"] for r in rows])
                 if handle is not None:
                     if writer is None:
@@ -122,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if handle is not None:
             handle.close()
-    print(f"{len(args.seeds)} seeds x {args.steps} steps; O1, batch gate, H_tgt = {TARGET}, P = 0.1; 95% t-intervals")
+    source = args.config or "the default toy (configs/simulate.yaml)"
+    print(f"{source}: {len(args.seeds)} seeds x {task.steps} steps, lr {task.lr:g}; O1, batch gate, H_tgt = {target}, "
+          "P = 0.1; 95% t-intervals")  # fmt: skip
     print("'after': the steps after the run's entropy first fell below H_tgt.")
     print()
     print("| mode | " + " | ".join(title for title, _, _ in COLUMNS) + " |")
@@ -130,11 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, runs in numbers.items():
         print(f"| {name} | " + " | ".join(cell([r[key] for r in runs], digits) for _, key, digits in COLUMNS) + " |")
     if args.out:
-        plot(curves, args.out)
+        plot(curves, args.out, target)
         print(f"\nwrote {args.out}")
 
 
-def plot(curves: dict[str, list[list[float]]], path: Path) -> None:
+def plot(curves: dict[str, list[list[float]]], path: Path, target: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,7 +149,7 @@ def plot(curves: dict[str, list[list[float]]], path: Path) -> None:
     for i, (name, runs) in enumerate(curves.items()):
         mean = [statistics.fmean(step) for step in zip(*runs, strict=True)]
         ax.plot(mean, color=f"C{i}", lw=1.5, label=f"{name} (mean of {len(runs)} seeds)")
-    ax.axhline(TARGET, color="grey", ls="--", lw=1, label=f"H_tgt = {TARGET}")
+    ax.axhline(target, color="grey", ls="--", lw=1, label=f"H_tgt = {target}")
     ax.set(xlabel="step", ylabel="batch mean entropy (nats)", title="toy task: W modes", ylim=(0, 1.3))
     ax.legend(fontsize=8)
     fig.tight_layout()
