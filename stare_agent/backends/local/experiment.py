@@ -26,7 +26,7 @@ from typing import Any
 from stare_agent.backends.local import evaluate, rl, sft
 from stare_agent.backends.local.common import latest_checkpoint, read_metrics
 from stare_agent.backends.local.quickstart import logged, make_data, mean, run_summary
-from stare_agent.config import ExperimentConfig, RunConfig, run_path, save_config
+from stare_agent.config import ConfigError, ExperimentConfig, RunConfig, load_config, run_path, save_config, to_dict
 from stare_agent.models import build_tiny_model, tiny_corpus
 from stare_agent.stats import LEVEL, bootstrap_interval, t_interval
 from stare_agent.theory import REGIMES
@@ -73,8 +73,10 @@ def prepare(config: ExperimentConfig, run_dir: Path) -> dict[str, Path]:
                 m["content"] for line in files["sft"].read_text().splitlines() for m in json.loads(line)["messages"]
             ]
             build_tiny_model(model_dir, corpus, **asdict(config.model), seed=seed)
-        checkpoint = _final_checkpoint(run_dir / "sft", None)
-        if checkpoint is None:
+        finished = run_dir / "sft" / "finished"  # names the final checkpoint once SFT has returned
+        if finished.exists():
+            checkpoint = Path(finished.read_text().strip())
+        else:
             print("experiment: SFT")
             checkpoint = sft.run(
                 replace(
@@ -82,8 +84,10 @@ def prepare(config: ExperimentConfig, run_dir: Path) -> dict[str, Path]:
                     run=_stage_run(run_dir, "sft", seed, config.run.threads),
                     model=replace(config.sft.model, path=str(model_dir)),
                     data=replace(config.sft.data, train_file=str(files["sft"])),
+                    resume="auto",
                 )
             )
+            finished.write_text(f"{checkpoint}\n")
         _evaluate(config, run_dir, "eval-sft", checkpoint, files["test"], seed)
     return {**files, "sft_model": checkpoint}
 
@@ -129,18 +133,63 @@ def _run_variant(
     _evaluate(config, run_dir, f"eval-{name}", final, files["test"], config.run.seed)
 
 
+# Keys that may differ between commands sharing one experiment folder: what to run now, and how fast.
+PER_COMMAND = ("seeds", "only", "stage", "variants")
+
+
+def check_same_experiment(config: ExperimentConfig, saved_path: Path) -> ExperimentConfig:
+    """The config to save: the folder's own config with any new variants added. Anything else that differs
+    from the folder's config (data, model, SFT, RL or eval settings, or an existing variant's changes) is an
+    error naming the keys: its finished runs would otherwise be reused as if made with the new settings."""
+    saved = load_config(ExperimentConfig, saved_path)
+    mine, theirs = _flat(to_dict(config)), _flat(to_dict(saved))
+    differ = sorted(
+        key
+        for key in mine.keys() | theirs.keys()
+        if key.split(".")[0] not in PER_COMMAND and key != "run.threads" and mine.get(key) != theirs.get(key)
+    )
+    differ += [
+        f"variants.{name}"
+        for name in sorted(config.variants.keys() & saved.variants.keys())
+        if config.variants[name] != saved.variants[name]
+    ]
+    if differ:
+        raise ConfigError(
+            f"{saved_path.parent} holds an experiment made with other settings ({', '.join(differ)} differ from "
+            f"{saved_path}); use another run.name, or the same settings (seeds, only and stage may differ, and "
+            "new variants may be added)"
+        )
+    return replace(saved, variants={**saved.variants, **config.variants})
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "variants":
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def run(config: ExperimentConfig) -> Path:
     run_dir = run_path(config.run, "experiment")
     saved = run_dir / "config.yaml"
-    if not saved.exists():
-        save_config(config, run_dir)
+    with _locked(run_dir / ".config.lock"):
+        if not saved.exists():
+            folder_config = config
+            save_config(config, run_dir)
+        else:
+            folder_config = check_same_experiment(config, saved)
+            if folder_config.variants != load_config(ExperimentConfig, saved).variants:
+                save_config(folder_config, run_dir)  # new variants join the folder's config
     if config.stage != "report":
         files = prepare(config, run_dir)
         if config.stage == "all":
             for seed in config.seeds:
                 for variant in config.only or list(config.variants):
                     run_variant(config, run_dir, files, variant, seed)
-    report = write_report(config, run_dir)
+    report = write_report(folder_config, run_dir)  # every variant of the folder, not only this command's
     print(report.read_text())
     print(f"experiment: everything is in {run_dir}")
     return run_dir
