@@ -76,6 +76,17 @@ def test_bad_dtype_and_occupied_folder_are_refused(tmp_path):
         pretrained.convert_smollm2(tmp_path / "taken")
 
 
+def test_the_convert_command_reports_a_refusal_in_one_line(tmp_path, capsys):
+    from stare_agent.cli import main
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    assert main(["model", "convert-smollm2", "--out", str(tmp_path / "taken")]) == 2
+    assert "stare-agent model: " in capsys.readouterr().err  # a one-line error, no traceback
+    with pytest.raises(SystemExit, match="2"):  # argparse refuses a dtype it does not list
+        main(["model", "convert-smollm2", "--out", str(tmp_path / "other"), "--dtype", "fp8"])
+
+
 # --- the real tokenizer -------------------------------------------------------------------------------------------
 
 
