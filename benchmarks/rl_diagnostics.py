@@ -2,13 +2,14 @@
 
 docs/quickstart.md ("Choosing the STARE settings by measurement") quotes what this prints.
 
-    python benchmarks/rl_diagnostics.py RUN_DIR [RUN_DIR ...] [--per-step]
+    python benchmarks/rl_diagnostics.py RUN_DIR [RUN_DIR ...] [--per-step] [--blocks N]
 
 Per run: steps; steps in each theory/regime; steps per sign of (Lambda, Gamma); proxy precision and W*
 as range and median over the steps where each is defined (W* only in the needs_w regime); the mean over
 steps of the mean critical surprisal s* of the high+ tokens. The diagnostics use the run's stare.top_ratio
 as P whether STARE is on or off, so rerunning a GRPO-ds run with another stare.top_ratio (same seed: same
-trajectory) measures another P. --per-step adds each step's Lambda, Gamma, regime, W* and precision.
+trajectory) measures another P. --per-step adds each step's Lambda, Gamma, regime, W* and precision;
+--blocks N the mean entropy and rollout accuracy over each block of N steps (the trend of a long run).
 """
 
 from __future__ import annotations
@@ -59,16 +60,32 @@ def per_step(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def blocks(rows: list[dict[str, Any]], size: int) -> list[str]:
+    """Markdown lines: mean entropy and rollout accuracy over steps 1..size, size+1..2*size, ... (steps without
+    an update log no entropy and count for accuracy only)."""
+    lines = ["| steps | mean entropy | mean rollout accuracy |", "|---|---:|---:|"]
+    last = max((r["step"] for r in rows), default=0)
+    for start in range(1, last + 1, size):
+        block = [r for r in rows if start <= r["step"] < start + size]
+        entropy, accuracy = mean(logged(block, "stare/entropy_mean")), mean(logged(block, "rollout/accuracy"))
+        cells = ["-" if v is None else f"{v:.{d}f}" for v, d in ((entropy, 3), (accuracy, 2))]
+        lines.append(f"| {start}–{min(start + size - 1, last)} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR", help="an RL run folder (with metrics.jsonl)")
     parser.add_argument("--per-step", action="store_true", help="also print every step's values")
+    parser.add_argument("--blocks", type=int, default=None, metavar="N", help="also print means per block of N steps")
     args = parser.parse_args(argv)
     for run_dir in args.runs:
         rows = read_metrics(run_dir)
         lines = [f"### {run_dir} ({len(rows)} steps)", "", *diagnostics(rows)]
         if args.per_step:
             lines += ["", *per_step(rows)]
+        if args.blocks:
+            lines += ["", *blocks(rows, args.blocks)]
         print("\n".join(lines) + "\n")
 
 

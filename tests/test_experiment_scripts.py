@@ -150,3 +150,11 @@ def test_heldout_noise_prints_the_interval_of_each_prefix(tmp_path, capsys):
     assert [row.split(" | ")[1:3] for row in rows] == [["3", "50.0"], ["30", "50.0"]]  # 30 scored problems
     with pytest.raises(SystemExit, match="no results.json"):
         heldout_noise.main([str(tmp_path)])
+
+
+def test_rl_diagnostics_block_means():
+    accuracy = [0.2, 0.4, 0.1, 0.3, 0.5]
+    rows = [_row(step, 0.1 * step, accuracy[step - 1], "needs_w") for step in range(1, 6)]
+    rows[1].pop("stare/entropy_mean")  # a step without an update: accuracy only
+    lines = diagnostics.blocks(rows, 2)
+    assert lines[2:] == ["| 1–2 | 0.100 | 0.30 |", "| 3–4 | 0.350 | 0.20 |", "| 5–5 | 0.500 | 0.50 |"]
