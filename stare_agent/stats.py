@@ -53,3 +53,9 @@ def bootstrap_interval(per_problem: list[float], level: float = LEVEL, draws: in
     n = len(per_problem)
     means = sorted(sum(rng.choices(per_problem, k=n)) / n for _ in range(draws))
     return means[int((1 - level) / 2 * draws)], means[int((1 + level) / 2 * draws) - 1]
+
+
+def problem_accuracy(rewards: list[float]) -> float:
+    """One problem's accuracy: the share of its scored samples (sandbox errors left out, so non-empty) that
+    are right. A problem with no scored sample has none and is left out of every mean by the caller."""
+    return sum(r > 0 for r in rewards) / len(rewards)

@@ -28,7 +28,7 @@ from stare_agent.backends.local.common import latest_checkpoint, read_metrics
 from stare_agent.backends.local.quickstart import logged, make_data, mean, run_summary
 from stare_agent.config import ConfigError, ExperimentConfig, RunConfig, load_config, run_path, save_config, to_dict
 from stare_agent.models import build_tiny_model, tiny_corpus
-from stare_agent.stats import LEVEL, bootstrap_interval, t_interval
+from stare_agent.stats import LEVEL, bootstrap_interval, problem_accuracy, t_interval
 from stare_agent.theory import REGIMES
 
 
@@ -44,12 +44,10 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _final_checkpoint(run_dir: Path, steps: int | None) -> Path | None:
-    """The run's last checkpoint if the run finished (`steps` reached, or any checkpoint when steps is None)."""
+def _final_checkpoint(run_dir: Path, steps: int) -> Path | None:
+    """The run's last checkpoint if the run reached `steps`; None while it has not."""
     last = latest_checkpoint(run_dir)
-    if last is None or (steps is not None and last.name != f"step-{steps:06d}"):
-        return None
-    return last
+    return last if last is not None and last.name == f"step-{steps:06d}" else None
 
 
 def _stage_run(run_dir: Path, name: str, seed: int, threads: int) -> RunConfig:
@@ -205,9 +203,8 @@ def eval_numbers(eval_dir: Path) -> dict[str, Any] | None:
         return None
     (report,) = json.loads(results.read_text())  # one benchmark: the held-out test file
     problems = json.loads((eval_dir / f"{report['name']}.json").read_text())["problems"]
-    # a problem's accuracy over its scored samples; one whose samples all hit a sandbox error is not scored
     scored = {p["problem_id"]: [r for r in p["rewards"] if r is not None] for p in problems}
-    accuracy = {pid: sum(r > 0 for r in rewards) / len(rewards) for pid, rewards in scored.items() if rewards}
+    accuracy = {pid: problem_accuracy(rewards) for pid, rewards in scored.items() if rewards}
     k_max = max(int(k) for k in report["pass_at"])
     return {
         "avg@k": report["avg_at_k"],

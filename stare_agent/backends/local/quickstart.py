@@ -27,7 +27,7 @@ from stare_agent.config import QuickstartConfig, RunConfig, run_path, save_confi
 from stare_agent.data import write_records
 from stare_agent.models import build_tiny_model, tiny_corpus
 from stare_agent.stare import StareConfig
-from stare_agent.stats import bootstrap_interval
+from stare_agent.stats import bootstrap_interval, problem_accuracy
 from stare_agent.tasks import generate_tasks, make_sft_rows
 from stare_agent.theory import REGIMES
 
@@ -188,7 +188,7 @@ def run(config: QuickstartConfig) -> Path:
         )
         report = evaluate.run(eval_config)[0]
         results[name] = {"avg@k": report.avg_at_k, "pass@k": report.pass_at, "k": report.samples_per_problem}
-        per_problem = [sum(r > 0 for r in p.rewards) / len(p.rewards) for p in report.results if p.rewards]
+        per_problem = [problem_accuracy(p.rewards) for p in report.results if p.rewards]
         results[name]["avg@k_ci95"] = list(bootstrap_interval(per_problem)) if per_problem else None
         results[name]["mean_tool_calls"] = report.mean_tool_calls
         results[name]["mean_response_length"] = report.mean_response_length
