@@ -20,7 +20,20 @@ against the subprocess baseline at the same concurrency. The profile section (c=
 time) splits a call: bare HTTP (GET /healthz), an empty kernel round trip, raw httpx without the
 client's validation, the stateless reset code on its own, and a stateless `pass`.
 
-Run: .venv/bin/python benchmarks/bench_sandbox.py [--help]   (about 1.5 to 3 minutes on 2 idle cores)
+Burst section (last, on the same server, its sessions closed first): the stateless sympy snippet at each
+--burst-concurrency (default 8, 32 and 128, more than the warm pool), in that order, each timed from its
+first call with no warm-up, so the pool's growth and the kernels it starts are in the numbers. Raw httpx,
+no retries: a 429 or 503 is counted, and that task then sleeps Retry-After before its next call, as a client
+would; a call without an answer within --burst-http-timeout-s counts as a timeout. Printed: p50/p99 of the
+calls that succeeded, ok calls/s, 429s, 503s, timeouts, kernels the server started during the cell, and the
+most it had starting at once so far (/healthz), then the p99 and calls/s ratios of each concurrency to the
+first (p99 32/8 is the issue's measure of queueing). --compare-max-starting N repeats the burst section on
+a second server started with --max-starting N (0 = no bound on concurrent starts, the behaviour before that
+setting), after the first is stopped, and prints before/after ratios; --burst-only skips everything else.
+
+Run: .venv/bin/python benchmarks/bench_sandbox.py [--help]   (about 3 to 5 minutes on 2 idle cores)
+  before/after of the kernel-start bound only:
+     .venv/bin/python benchmarks/bench_sandbox.py --burst-only --compare-max-starting 0 --json burst.json
 """
 
 from __future__ import annotations
@@ -40,13 +53,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-from sandbox.client import AsyncSandboxClient, SandboxUnavailable
+from sandbox.client import KEEPALIVE_S, AsyncSandboxClient, SandboxUnavailable
 from sandbox.kernels import RESET_CODE, PoolSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -246,7 +260,8 @@ async def measure_http(
                 try:
                     run = await client.execute(code, session_id)
                 except SandboxUnavailable as exc:
-                    problem, server_ms = ("HTTP 429" if "HTTP 429" in str(exc) else str(exc)[:80]), None
+                    refused = next((f"HTTP {c}" for c in (429, 503) if f"HTTP {c}" in str(exc)), None)
+                    problem, server_ms = refused or str(exc)[:80], None
                 else:
                     problem, server_ms = check(run.stdout, run.status, expected), run.duration_ms
                 elapsed = (time.perf_counter() - started) * 1000
@@ -312,6 +327,92 @@ async def profile(client: AsyncSandboxClient, session_id: str, calls: int) -> di
     return dict(rows)
 
 
+async def measure_burst(
+    url: str, label: str, concurrency: int, calls: int, max_s: float, http_timeout_s: float, pid: int, marker: str
+) -> Result:
+    """Stateless sympy calls from `concurrency` tasks over raw httpx, timed from the first call (no warm-up)."""
+    code, expected = SNIPPETS["sympy"]
+    result = Result(label, concurrency)
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_S
+    )
+    timeout = httpx.Timeout(http_timeout_s, connect=5.0)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as http:
+        tickets = calls
+        deadline = time.perf_counter() + max_s
+
+        async def worker() -> None:
+            nonlocal tickets
+            while tickets > 0 and time.perf_counter() < deadline:
+                tickets -= 1
+                started = time.perf_counter()
+                try:
+                    response = await http.post("/v1/execute", json={"code": code})
+                except httpx.TimeoutException:
+                    result.bad["timeout"] += 1
+                    continue
+                except httpx.TransportError as exc:
+                    result.bad[type(exc).__name__] += 1
+                    continue
+                elapsed = (time.perf_counter() - started) * 1000
+                if response.status_code in (429, 503):
+                    result.bad[f"HTTP {response.status_code}"] += 1
+                    await asyncio.sleep(float(response.headers.get("retry-after", 1)))
+                    continue
+                if response.status_code != 200:
+                    result.bad[f"HTTP {response.status_code}"] += 1
+                    continue
+                run = response.json()
+                problem = check(run["stdout"], run["status"], expected)
+                if problem:
+                    result.bad[problem] += 1
+                else:
+                    result.latencies_ms.append(elapsed)
+                    result.server_ms.append(run["duration_ms"])
+
+        start = cpu_snapshot(pid, marker)
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        result.finish(start, cpu_snapshot(pid, marker))
+    return result
+
+
+async def wait_settled(client: AsyncSandboxClient, pool_size: int, timeout_s: float) -> dict:
+    """/healthz once the pool is full and no kernel is starting (or after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = await client.health()
+        full = health["pool_ready"] >= pool_size and not health.get("kernels_starting")
+        if full or time.monotonic() > deadline:
+            return health
+        await asyncio.sleep(0.2)
+
+
+async def bench_burst(
+    args: argparse.Namespace, client: AsyncSandboxClient, url: str, pid: int, marker: str
+) -> list[dict]:
+    """The burst section on one server: a row (Result and the server's kernel counts) per concurrency."""
+    rows = []
+    for c in args.burst_concurrency:
+        before = await wait_settled(client, args.pool_size, 120)
+        label = f"max_starting={before.get('max_starting', '?')}"
+        res = await measure_burst(
+            url, label, c, args.burst_calls, args.burst_max_s, args.burst_http_timeout_s, pid, marker
+        )
+        after = await client.health()
+        counts = {
+            "kernel_starts": after.get("kernels_started", 0) - before.get("kernels_started", 0),
+            "starting_peak": after.get("kernels_starting_peak"),
+            "start_failures": after["kernel_start_failures"] - before["kernel_start_failures"],
+        }
+        rows.append({"result": res, **counts})
+        print(
+            f"  burst {label:15s} c={c:<3d} n={res.n:<4d} p99={res.pct(99):8.1f} ms  {res.rate:7.1f}/s  "
+            f"refused {res.bad['HTTP 429'] + res.bad['HTTP 503']}  timeouts {res.bad['timeout']}",
+            flush=True,
+        )
+    return rows
+
+
 # ---------------------------------------------------------------- the server
 
 
@@ -322,8 +423,10 @@ def free_port() -> int:
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
-    max_kernels = args.max_kernels or 2 * max(args.concurrency) + args.pool_size + 8
-    return [
+    # a burst runs at most max_running calls at once; each holds a kernel, and as many may be resetting
+    busiest = max([*args.concurrency, *(min(c, args.max_running) for c in args.burst_concurrency)])
+    max_kernels = args.max_kernels or 2 * busiest + args.pool_size + 8
+    flags = [
         f"--pool-size={args.pool_size}",
         f"--max-running={args.max_running}",
         f"--max-waiting={args.max_waiting}",
@@ -331,6 +434,9 @@ def server_flags(args: argparse.Namespace) -> list[str]:
         f"--max-sessions={max(args.concurrency) + 8}",
         f"--isolation={args.isolation}",
     ]
+    if args.max_starting is not None:
+        flags.append(f"--max-starting={args.max_starting}")
+    return flags
 
 
 async def wait_pool(client: AsyncSandboxClient, pool_size: int, timeout_s: float) -> dict:
@@ -376,40 +482,49 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def bench_http(args: argparse.Namespace, url: str, server_pid: int, marker: str) -> dict:
+async def bench_http(args: argparse.Namespace, url: str, server_pid: int, marker: str, main_cases: bool) -> dict:
+    """The session and stateless cases and the profile (when main_cases), then the burst section."""
     out: dict = {"results": []}
     async with AsyncSandboxClient(url, retries=0, timeout_s=120.0, max_connections=256) as client:
         health = await wait_pool(client, args.pool_size, 180)
         out["isolation"] = health["isolation"]
         print(f"isolation: {json.dumps(health['isolation'])}", flush=True)
-
-        sessions: list[str] = []
-        while len(sessions) < max(args.concurrency):  # in batches of 4: 2 cores start kernels slowly
-            batch = min(4, max(args.concurrency) - len(sessions))
-            sessions += await asyncio.gather(*(client.create_session() for _ in range(batch)))
-        profile_session = await client.create_session()
-        print(f"{len(sessions)} sessions created", flush=True)
-
-        for case, snippet, session_ids in (("session print", "print", sessions), ("stateless sympy", "sympy", None)):
-            for c in args.concurrency:
-                await wait_pool(client, args.pool_size, 120)
-                warmup = max(args.warmup, 2 * c)
-                res = await measure_http(
-                    client, case, snippet, session_ids, c, args.calls, args.max_s, warmup, server_pid, marker
-                )
-                out["results"].append(res)
-                print(f"  {case:16s} c={c:<3d} n={res.n:<4d} p50={res.pct(50):8.2f} ms  {res.rate:7.1f}/s", flush=True)
-
-        if args.profile_calls:
-            out["profile"] = await profile(client, profile_session, args.profile_calls)
+        if main_cases:
+            await bench_main_cases(args, client, server_pid, marker, out)
+        out["burst"] = await bench_burst(args, client, url, server_pid, marker)
         final = await client.health()
         out["kernel_start_failures"] = final["kernel_start_failures"]
         metrics = (await client._http.get("/metrics")).text
         out["rejected_429"] = sum(
             float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("sandbox_rejected_total")
         )
-        await asyncio.gather(*(client.close_session(s) for s in [*sessions, profile_session]))
     return out
+
+
+async def bench_main_cases(
+    args: argparse.Namespace, client: AsyncSandboxClient, server_pid: int, marker: str, out: dict
+) -> None:
+    """Session and stateless cases at each --concurrency, then the profile; their sessions are closed after."""
+    sessions: list[str] = []
+    while len(sessions) < max(args.concurrency):  # in batches of 4: 2 cores start kernels slowly
+        batch = min(4, max(args.concurrency) - len(sessions))
+        sessions += await asyncio.gather(*(client.create_session() for _ in range(batch)))
+    profile_session = await client.create_session()
+    print(f"{len(sessions)} sessions created", flush=True)
+
+    for case, snippet, session_ids in (("session print", "print", sessions), ("stateless sympy", "sympy", None)):
+        for c in args.concurrency:
+            await wait_pool(client, args.pool_size, 120)
+            warmup = max(args.warmup, 2 * c)
+            res = await measure_http(
+                client, case, snippet, session_ids, c, args.calls, args.max_s, warmup, server_pid, marker
+            )
+            out["results"].append(res)
+            print(f"  {case:16s} c={c:<3d} n={res.n:<4d} p50={res.pct(50):8.2f} ms  {res.rate:7.1f}/s", flush=True)
+
+    if args.profile_calls:
+        out["profile"] = await profile(client, profile_session, args.profile_calls)
+    await asyncio.gather(*(client.close_session(s) for s in [*sessions, profile_session]))
 
 
 # ---------------------------------------------------------------- report
@@ -471,19 +586,10 @@ def code_version() -> str:
     return digest.hexdigest()[:12]
 
 
-def run_all(args: argparse.Namespace, workdir: Path) -> tuple[list[Result], dict, list[str], list[int]]:
-    """The subprocess baseline, then the server's cases; the server and its kernels are always stopped."""
-    workdir.chmod(0o711)  # kernels run as other uids and must reach their scratch dirs below it
-    kernel_root = workdir / "kernels"  # kernels' scratch dirs: `cpu_snapshot` tells our kernels by this path
-    baseline: list[Result] = []
-    for snippet in SNIPPETS:
-        for c in args.concurrency:
-            warmup = max(args.baseline_warmup, c)
-            res = measure_subprocess(snippet, c, args.baseline_calls, args.baseline_max_s, warmup, str(kernel_root))
-            baseline.append(res)
-            print(f"  {res.case:16s} c={c:<3d} n={res.n:<4d} p50={res.pct(50):8.2f} ms  {res.rate:7.1f}/s", flush=True)
-
-    flags = server_flags(args)
+@contextlib.contextmanager
+def serve(flags: list[str], workdir: Path, kernel_root: Path) -> Iterator[tuple[subprocess.Popen, str, list[int]]]:
+    """The server with these flags, until it answers /healthz: (process, URL, the pids it left behind, filled in
+    once it is stopped, with its kernels, on leaving the block)."""
     pool: dict = {"scratch_root": str(kernel_root)}
     config = workdir / "server.yaml"
     config.write_text(json.dumps({"pool": pool}))  # JSON is YAML
@@ -496,6 +602,7 @@ def run_all(args: argparse.Namespace, workdir: Path) -> tuple[list[Result], dict
     log_path = workdir / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    left: list[int] = []
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -507,10 +614,111 @@ def run_all(args: argparse.Namespace, workdir: Path) -> tuple[list[Result], dict
             if time.monotonic() > deadline:
                 raise SystemExit("the server did not answer /healthz within 60 s")
             time.sleep(0.1)
-        http_out = asyncio.run(bench_http(args, url, proc.pid, str(kernel_root)))
+        yield proc, url, left
     finally:
-        left = stop_server(proc, str(kernel_root))
+        left += stop_server(proc, str(kernel_root))
+
+
+def run_all(args: argparse.Namespace, workdir: Path) -> tuple[list[Result], dict, list[str], list[int]]:
+    """The subprocess baseline, then the server's cases, then (--compare-max-starting) the burst section on a
+    second server; each server and its kernels are always stopped."""
+    workdir.chmod(0o711)  # kernels run as other uids and must reach their scratch dirs below it
+    kernel_root = workdir / "kernels"  # kernels' scratch dirs: `cpu_snapshot` tells our kernels by this path
+    baseline: list[Result] = []
+    for snippet in SNIPPETS if not args.burst_only else ():
+        for c in args.concurrency:
+            warmup = max(args.baseline_warmup, c)
+            res = measure_subprocess(snippet, c, args.baseline_calls, args.baseline_max_s, warmup, str(kernel_root))
+            baseline.append(res)
+            print(f"  {res.case:16s} c={c:<3d} n={res.n:<4d} p50={res.pct(50):8.2f} ms  {res.rate:7.1f}/s", flush=True)
+
+    flags = server_flags(args)
+    with serve(flags, workdir, kernel_root) as (proc, url, left):
+        http_out = asyncio.run(bench_http(args, url, proc.pid, str(kernel_root), main_cases=not args.burst_only))
+    if args.compare_max_starting is not None:
+        other = [f for f in flags if not f.startswith("--max-starting=")]
+        other.append(f"--max-starting={args.compare_max_starting}")
+        with serve(other, workdir, kernel_root) as (proc, url, left_too):
+            compared = asyncio.run(bench_http(args, url, proc.pid, str(kernel_root), main_cases=False))
+        http_out["burst"] += compared["burst"]
+        http_out["kernel_start_failures"] += compared["kernel_start_failures"]
+        http_out["rejected_429"] += compared["rejected_429"]
+        left += left_too
     return http_out["results"] + baseline, http_out, flags, left
+
+
+# ---------------------------------------------------------------- burst report
+
+
+def burst_json(rows: list[dict]) -> list[dict]:
+    out = []
+    for row in rows:
+        r = row["result"]
+        out.append(
+            {
+                "server": r.case,
+                "concurrency": r.concurrency,
+                "n_ok": r.n,
+                "p50_ms": r.pct(50),
+                "p99_ms": r.pct(99),
+                "calls_per_s": r.rate,
+                "http_429": r.bad["HTTP 429"],
+                "http_503": r.bad["HTTP 503"],
+                "timeouts": r.bad["timeout"],
+                "bad": dict(r.bad),
+                "kernel_starts": row["kernel_starts"],
+                "kernels_starting_peak": row["starting_peak"],
+                "kernel_start_failures": row["start_failures"],
+                "cpu": r.cpu,
+            }
+        )
+    return out
+
+
+def burst_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per server: p99 and calls/s at each concurrency over those at the first ("p99 32/8"). With two servers
+    (--compare-max-starting), "after" is the first (the main server) and "before" the second: p99 before/after
+    and calls/s after/before at each concurrency, so a ratio above 1 favours the main server."""
+    by_server: dict[str, dict[int, Result]] = collections.defaultdict(dict)
+    for row in rows:
+        by_server[row["result"].case][row["result"].concurrency] = row["result"]
+    ratios: dict[str, dict[str, float]] = {}
+    for server, cells in by_server.items():
+        base_c, base = next(iter(cells.items()))
+        ratios[server] = {}
+        for c, r in list(cells.items())[1:]:
+            ratios[server][f"p99 {c}/{base_c}"] = r.pct(99) / base.pct(99) if base.n and r.n else float("nan")
+            ratios[server][f"calls/s {c}/{base_c}"] = r.rate / base.rate if base.rate else float("nan")
+    if len(by_server) == 2:
+        (after, new), (before, old) = by_server.items()
+        key = f"{after} vs {before}"
+        ratios[key] = {}
+        for c in new.keys() & old.keys():
+            ratios[key][f"p99 before/after c={c}"] = old[c].pct(99) / new[c].pct(99) if new[c].n else float("nan")
+            ratios[key][f"calls/s after/before c={c}"] = new[c].rate / old[c].rate if old[c].rate else float("nan")
+    return ratios
+
+
+def print_burst(rows: list[dict]) -> None:
+    head = (
+        f"{'server':16s} {'c':>4s} {'n ok':>5s} {'p50 ms':>8s} {'p99 ms':>8s} {'calls/s':>8s} {'429':>5s} "
+        f"{'503':>5s} {'timeout':>7s} {'other':>5s} {'starts':>6s} {'peak':>4s}"
+    )
+    print(head)
+    print("-" * len(head))
+    for row in burst_json(rows):
+        other = sum(row["bad"].values()) - row["http_429"] - row["http_503"] - row["timeouts"]
+        print(
+            f"{row['server']:16s} {row['concurrency']:4d} {row['n_ok']:5d} {fmt(row['p50_ms']):>8s} "
+            f"{fmt(row['p99_ms']):>8s} {fmt(row['calls_per_s']):>8s} {row['http_429']:5d} {row['http_503']:5d} "
+            f"{row['timeouts']:7d} {other:5d} {row['kernel_starts']:6d} {row['kernels_starting_peak'] or 0:4d}"
+        )
+    print(
+        "starts: kernel starts the server completed during the cell; peak: the most it had starting at once so far; "
+        "p50/p99 over the calls that succeeded"
+    )
+    for server, values in burst_ratios(rows).items():
+        print(f"  {server}: " + ", ".join(f"{name} = {fmt(v, 2)}" for name, v in values.items()))
 
 
 # ---------------------------------------------------------------- main
@@ -529,7 +737,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-size", type=int, default=8)
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--max-waiting", type=int, default=256)
-    parser.add_argument("--max-kernels", type=int, default=0, help="0: 2 x max concurrency + pool size + 8")
+    parser.add_argument(
+        "--max-kernels", type=int, default=0, help="0: 2 x max concurrency (burst: up to --max-running) + pool + 8"
+    )
+    parser.add_argument("--max-starting", type=int, help="the server's --max-starting (default: the server's)")
+    parser.add_argument("--burst-concurrency", type=int, nargs="*", default=[8, 32, 128], help="none: no burst")
+    parser.add_argument("--burst-calls", type=int, default=400, help="calls per burst cell (refused ones count)")
+    parser.add_argument("--burst-max-s", type=float, default=30.0, help="time limit of one burst cell")
+    parser.add_argument(
+        "--burst-http-timeout-s", type=float, default=60.0, help="a burst call unanswered is a timeout"
+    )
+    parser.add_argument(
+        "--compare-max-starting",
+        type=int,
+        metavar="N",
+        help="repeat the burst section on a second server with --max-starting N (0: no bound, as before it)",
+    )
+    parser.add_argument("--burst-only", action="store_true", help="no baseline, session/stateless cases or profile")
     parser.add_argument("--isolation", choices=["auto", "namespaces", "process"], default="auto")
     parser.add_argument("--json", type=Path, help="also write all numbers here")
     args = parser.parse_args(argv)
@@ -550,7 +774,11 @@ def main(argv: list[str] | None = None) -> int:
         f"server flags: {' '.join(flags)}; sandbox code {version}"
         + (" (unchanged during the run)" if version == code_version() else " CHANGED DURING THE RUN")
     )
-    print_table(results)
+    if results:
+        print_table(results)
+    if http_out["burst"]:
+        print("\nburst: stateless sympy, timed from the first call, raw httpx without retries")
+        print_burst(http_out["burst"])
     if "profile" in http_out:
         print("\nprofile (c=1, client-side ms; srv = the server's duration_ms):")
         for label, row in http_out["profile"].items():
@@ -572,6 +800,8 @@ def main(argv: list[str] | None = None) -> int:
             "profile": http_out.get("profile"),
             "rejected_429": http_out["rejected_429"],
             "verdicts": verdicts(results),
+            "burst": burst_json(http_out["burst"]),
+            "burst_ratios": burst_ratios(http_out["burst"]),
         }
         args.json.write_text(json.dumps(data, indent=2))
     return 0

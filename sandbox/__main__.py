@@ -21,6 +21,7 @@ from typing import get_args
 from sandbox.app import ServerSettings, create_app
 from sandbox.configfile import ConfigError, load_config
 from sandbox.isolation import IsolationMode, detect_isolation
+from sandbox.ownership import RangeTaken, check_claimable
 
 SERVER_KEEPALIVE_S = 60.0
 """Seconds an idle HTTP connection stays open on the server; several times the clients' KEEPALIVE_S."""
@@ -36,6 +37,8 @@ FLAGS = {
     "session_idle_s": ("session_idle_s", "seconds before an unused session is closed"),
     "pool_size": ("pool.pool_size", "warm kernels kept ready"),
     "max_kernels": ("pool.max_kernels", "kernels alive at once (sessions plus pool)"),
+    "max_starting": ("pool.max_starting", "kernels starting at once, in the background (0: no bound, as before)"),
+    "queue_wait_s": ("pool.queue_wait_s", "seconds a call waits for a ready kernel; beyond it 503 with Retry-After"),
     "isolation": ("pool.isolation", "auto: namespaces where they work, else process"),
     "default_timeout_s": ("pool.default_timeout_s", "wall-clock limit of a call that names none"),
     "max_timeout_s": ("pool.max_timeout_s", "the largest timeout_s a call may ask for"),
@@ -44,6 +47,10 @@ FLAGS = {
     "processes": ("pool.limits.processes", "processes and threads per kernel"),
     "file_size_mb": ("pool.limits.file_size_mb", "largest file a kernel may write, MiB"),
     "open_files": ("pool.limits.open_files", "open files per kernel process"),
+    "kernel_memory_mb": ("pool.limits.kernel_memory_mb", "memory of all a kernel's processes together, MiB (cgroup)"),
+    "call_cpu_s": ("pool.limits.call_cpu_s", "CPU seconds a call may use, all its processes together (0: no cap)"),
+    "scratch_mb": ("pool.limits.scratch_mb", "MiB a kernel's working dir may hold (0: no quota)"),
+    "uid_base": ("pool.uid_base", "first kernel uid: 61000, 62000, ... 99000 (0: the first range no one holds)"),
 }
 
 
@@ -59,6 +66,7 @@ def build_parser(prog: str = "python -m sandbox") -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", type=Path, metavar="FILE", help="YAML file shaped like the example below")
     serve.add_argument("--require-isolation", action="store_true", help="refuse to start without namespaces")
+    serve.add_argument("--no-cgroups", action="store_true", help="no cgroup per kernel, rlimits only")
     defaults = dataclasses.asdict(ServerSettings())
     for name, (key, text) in FLAGS.items():
         default = functools.reduce(lambda node, part: node[part], key.split("."), defaults)
@@ -82,6 +90,9 @@ A --config file has ServerSettings' shape (unknown keys are refused; flags win o
     limits:
       memory_mb: 4096
       processes: 64
+      kernel_memory_mb: 4096
+      call_cpu_s: 60
+      scratch_mb: 1024
 """
 
 
@@ -96,6 +107,8 @@ def load_settings(args: argparse.Namespace) -> ServerSettings:
             values[key] = (value, f"--{name.replace('_', '-')}")
     if args.require_isolation:
         values["require_isolation"] = (True, "--require-isolation")
+    if args.no_cgroups:
+        values["pool.cgroups"] = (False, "--no-cgroups")
     try:
         return load_config(ServerSettings, args.config, values=values)
     except ConfigError as exc:
@@ -112,6 +125,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sandbox") -> 
             detect_isolation("namespaces")
         except RuntimeError as exc:
             raise SystemExit(f"sandbox: --require-isolation: {exc}") from None
+    try:  # said here in one line; the pool's own claim would end the server with a traceback
+        check_claimable(settings.pool.uid_base, settings.pool.max_kernels)
+    except (RangeTaken, ValueError) as exc:
+        raise SystemExit(f"sandbox: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 

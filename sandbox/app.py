@@ -10,16 +10,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from sandbox.kernels import KernelPool, PoolSettings, SandboxError, SessionStore, call_timeout, run_stateless
-from sandbox.schemas import ErrorResponse, ExecuteRequest, RunResult, SessionCreated
+from sandbox import sandboxfusion
+from sandbox.kernels import (
+    KernelPool,
+    KernelsBusy,
+    PoolSettings,
+    SandboxError,
+    SessionStore,
+    call_timeout,
+    run_stateless,
+)
+from sandbox.schemas import (
+    ErrorResponse,
+    ExecuteRequest,
+    RunCodeRequest,
+    RunCodeResponse,
+    RunResult,
+    SessionCreated,
+)
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # Error bodies of the routes, for the OpenAPI description of the wire contract.
@@ -98,7 +116,10 @@ class Admission:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """The service's Prometheus metrics; the kernel pool's own counts are read from it at each scrape."""
+
+    def __init__(self, pool: KernelPool) -> None:
+        self.pool = pool
         self.registry = CollectorRegistry()
         self.runs = Counter("sandbox_runs", "Code runs by kind and status", ["kind", "status"], registry=self.registry)
         self.duration = Histogram(
@@ -115,13 +136,41 @@ class Metrics:
                 "waiting": "Calls waiting for a slot",
             }.items()
         }
+        self.registry.register(self)  # collect() below
+
+    def collect(self) -> Iterator[Metric]:
+        """The pool's counts as they are now: kernel starts, failed starts by cause, waits for a kernel."""
+        pool = self.pool
+        yield CounterMetricFamily("sandbox_kernel_starts", "Kernels started and warmed up", value=pool.kernels_started)
+        failures = CounterMetricFamily(
+            "sandbox_kernel_start_failures", "Kernel starts that failed, by cause", labels=["cause"]
+        )
+        for cause in KernelPool.FAILURE_CAUSES:
+            failures.add_metric([cause], pool.start_failures_by_cause[cause])
+        yield failures
+        yield GaugeMetricFamily(
+            "sandbox_kernels_starting", "Kernels being started (at most max_starting)", value=pool.starting_count
+        )
+        yield GaugeMetricFamily("sandbox_kernel_waiting", "Calls waiting for a ready kernel", value=pool.waiting_count)
+        edges = [f"{edge:g}" for edge in KernelPool.WAIT_BUCKETS_S] + ["+Inf"]
+        yield HistogramMetricFamily(
+            "sandbox_kernel_wait_seconds",
+            "How long a call waited for a ready kernel (0 when one was ready)",
+            buckets=list(zip(edges, itertools.accumulate(pool.wait_counts), strict=True)),
+            sum_value=pool.wait_sum_s,
+        )
+        yield CounterMetricFamily(
+            "sandbox_kernel_waits_refused",
+            "Calls that got no kernel within queue_wait_s (HTTP 503 for a stateless call)",
+            value=pool.waits_refused,
+        )
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
     pool = KernelPool(settings.pool)
     sessions = SessionStore(pool, settings.max_sessions, settings.session_idle_s)
     admission = Admission(settings.max_running, settings.max_waiting)
-    metrics = Metrics()
+    metrics = Metrics(pool)
 
     async def expire_loop() -> None:
         while True:
@@ -175,6 +224,10 @@ def create_app(settings: ServerSettings) -> FastAPI:
             try:
                 result = await call()
             except SandboxError as exc:
+                if isinstance(exc, KernelsBusy) and kind != "session":
+                    # a stateless call got no kernel within queue_wait_s, so its code never ran: 503 with
+                    # Retry-After tells the client to back off and send it again (sandbox/client.py does)
+                    raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
                 result = RunResult(
                     status="sandbox_error",
                     error={"name": "SandboxError", "message": str(exc)},
@@ -216,18 +269,39 @@ def create_app(settings: ServerSettings) -> FastAPI:
         timeout = timeout_of(body)
         return await run("stateless", lambda: run_stateless(pool, body.code, timeout[0]), timeout)
 
+    # SandboxFusion's API (sandbox/sandboxfusion.py), for stacks that call it, e.g. verl's ReTool recipe
+    @app.post("/run_code", response_model=RunCodeResponse, responses={k: v for k, v in ERRORS.items() if k != 404})
+    async def run_code(body: RunCodeRequest) -> RunCodeResponse:
+        timeout = timeout_of(ExecuteRequest(code=body.code, timeout_s=body.run_timeout))
+        files_chars = sum(len(content or "") for content in body.files.values())
+        if files_chars > settings.max_code_chars:
+            raise HTTPException(
+                413, f"files have {files_chars} base64 characters; the limit is {settings.max_code_chars}"
+            )
+        code = sandboxfusion.program(body)
+        result = await run("run_code", lambda: run_stateless(pool, code, timeout[0]), timeout)
+        return sandboxfusion.response(result)
+
     @app.get("/healthz")
     async def healthz(request: Request) -> dict:
         return {
             "status": "ok",
             "token_accepted": token_accepted(request),
             "isolation": pool.isolation.as_dict() if pool.isolation else None,
+            "caps": pool.caps(),
             "sessions": len(sessions),
             "pool_ready": pool.ready_count,
             "kernels_alive": pool.alive_count,
             "running": admission.running,
             "waiting": admission.waiting,
             "kernel_start_failures": pool.start_failures,
+            "kernel_start_failures_by_cause": {c: pool.start_failures_by_cause[c] for c in KernelPool.FAILURE_CAUSES},
+            "kernels_started": pool.kernels_started,
+            "kernels_starting": pool.starting_count,
+            "kernels_starting_peak": pool.starting_peak,
+            "max_starting": settings.pool.max_starting,
+            "kernel_waiting": pool.waiting_count,
+            "kernel_waits_refused": pool.waits_refused,
         }
 
     @app.get("/metrics")

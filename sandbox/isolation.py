@@ -30,25 +30,40 @@ Enforced only in "namespaces" mode (root and util-linux `unshare` needed; `detec
 - a dedicated unprivileged uid per kernel (`UID_BASE + slot`, no passwd entry, no supplementary
   groups, no-new-privileges so setuid programs do not elevate): other kernels' scratch dirs, the
   connection files (which hold the HMAC key) and root-only files such as /etc/shadow are unreadable,
-  and RLIMIT_NPROC counts this kernel's processes only.
+  and RLIMIT_NPROC counts this kernel's processes only. A pool's slots are the uid range it holds
+  exclusively on this host (sandbox.ownership), so no other sandbox's kernel ever has the same uid.
+
+Caps, where cgroups work (`detect_isolation` probes; root is needed; `Isolation.cgroup` says which):
+- each kernel of a pool gets its own cgroup (`KernelCgroup`: v2, or v1 memory + cpuacct) in a dir of its
+  pool's uid range under a "stare-sandbox" dir in the server's own cgroup, joined by the launcher before
+  anything else, so every process the kernel starts is in it, also those that leave its session: a memory
+  limit for all of them together (`Limits.kernel_memory_mb`, swap included where the host accounts it),
+  their CPU time for the per-call cap, and a way to find and kill them all;
+- without cgroups, only the per-process rlimits bound memory, and a call's CPU time is that of the
+  processes in the kernel's session (a process that calls setsid() escapes the count).
+The per-call caps themselves (CPU seconds, scratch quota) are enforced by the pool (kernels.Kernel.execute).
 
 Not isolated, in any mode:
 - everything world-readable on the host stays readable (read-only, not hidden), except that a
   directory others may not enter (such as a 0700 /root holding the interpreter) is replaced by an
   empty tmpfs into which only the interpreter's own directories are bound back;
-- CPU time: there is no CPU limit; the server's per-call wall timeout interrupts or restarts;
-- total memory: RLIMIT_AS caps each process, so a kernel with `processes` processes may use up to
-  `processes * memory_mb` (no cgroup is used); the scratch dir has no size limit, only a per-file one;
+- CPU time has no limit over a kernel's life, only per call (`Limits.call_cpu_s`, checked twice a second
+  while the call runs, so a call may overshoot by what its processes use in half a second);
+- total memory, without cgroups: RLIMIT_AS caps each process, so a kernel with `processes` processes may
+  use up to `processes * memory_mb`;
+- the scratch quota (`Limits.scratch_mb`) counts the files in the scratch dir, twice a second during a
+  call and after it: a file deleted while a process still holds it open is not counted;
 - the kernel shares the host kernel (a kernel exploit escapes all of this);
-- a server that dies without its clean-up (SIGKILL, a crash) leaves its kernels' scratch dirs (and the
-  pool's scratch root) behind: the kernels die, but only a later owner can remove what is left. A server
-  killed in the microseconds between forking a kernel's first process and setpriv's prctl leaves that
-  kernel running; `kill_uid_processes` ends such a namespace kernel by its slot's uid.
+- a server that dies without its clean-up (SIGKILL, a crash) leaves its kernels' scratch dirs, its
+  cgroups and, in process mode, processes its kernels started behind; the next owner of its uid range
+  removes them (sandbox.ownership). A server killed in the microseconds between forking a kernel's first
+  process and setpriv's prctl leaves that kernel running; the next owner ends it too (by uid, or cgroup).
 In "process" mode the kernel also runs as the server's uid with the server's view of the network and
 file system (so kernels can read each other's scratch dirs and connection files), RLIMIT_NPROC counts
 all processes of that uid (root is exempt from it entirely), and a kernel's children can outlive it
 (the kernel itself dies with the server; ipykernel's parent poller also ends it within a second, also
-where there is no parent-death signal).
+where there is no parent-death signal) until the pool closes (with cgroups) or the next owner of the
+pool's uid range ends them (by cgroup, or by their HOME: `kill_processes_with_home`).
 """
 
 from __future__ import annotations
@@ -58,31 +73,50 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 __all__ = [
     "UID_BASE",
+    "UID_RANGE_SIZE",
+    "Cgroups",
     "Isolation",
     "IsolationMode",
+    "KernelCgroup",
     "Limits",
+    "cgroup_problem",
     "detect_isolation",
+    "find_cgroups",
     "kernel_argv",
     "kernel_env",
+    "KernelMeter",
+    "kill_processes_with_home",
     "kill_uid_processes",
     "make_scratch",
+    "prepare_cgroups",
+    "range_group",
     "remove_scratch",
+    "scratch_bytes",
+    "session_cpu_seconds",
+    "sweep_cgroups",
+    "usable_cgroups",
 ]
 
 UID_BASE = 61000
-"""Kernels run as uid (and gid) UID_BASE + slot, the slot chosen by the caller (0..999); no passwd entry needed."""
+"""Kernels run as uid (and gid) UID_BASE + slot, the slot chosen by the caller; no passwd entry needed. A pool's
+slots are those of the uid range it holds (sandbox.ownership), UID_RANGE_SIZE uids from a multiple of it."""
+UID_RANGE_SIZE = 1000
+"""Kernel uids per range (sandbox.ownership), so also the most kernels one pool may have alive at once."""
 
 _PROBE_UID = UID_BASE - 1  # the namespace probe's own uid, never a kernel's
 _PROBE_TIMEOUT_S = 30
@@ -103,13 +137,32 @@ class Limits:
     """RLIMIT_FSIZE in MiB: the largest file the kernel can write; also the size of its private /dev/shm."""
     open_files: int = 256
     """RLIMIT_NOFILE: open file descriptors per process (the kernel itself uses about 30)."""
+    kernel_memory_mb: int = 4096
+    """Memory of all the kernel's processes together in MiB (its cgroup's limit; swap counts too where the host
+    accounts it). Only where cgroups work (/healthz `caps`); going over it stops the call and replaces the kernel."""
+    call_cpu_s: float = 60.0
+    """CPU seconds one call may use, all the kernel's processes together; going over it stops the call and
+    replaces the kernel. 0 = no cap (the wall-clock timeout still applies)."""
+    scratch_mb: int = 1024
+    """MiB the kernel's scratch dir may hold (a session's files live there); going over it stops the call and
+    replaces the kernel, which removes the files. 0 = no quota (RLIMIT_FSIZE still caps each file)."""
 
     def __post_init__(self) -> None:
-        minimum = {"memory_mb": 256, "processes": 16, "file_size_mb": 1, "open_files": 64}
+        minimum = {
+            "memory_mb": 256,
+            "processes": 16,
+            "file_size_mb": 1,
+            "open_files": 64,
+            "kernel_memory_mb": 128,
+            "scratch_mb": 0,
+        }
         for name, low in minimum.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"Limits.{name} must be an integer >= {low}; got {value!r}")
+        cpu = self.call_cpu_s
+        if not isinstance(cpu, (int, float)) or isinstance(cpu, bool) or not 0 <= cpu < float("inf"):
+            raise ValueError(f"Limits.call_cpu_s must be a number >= 0 (0 = no cap); got {cpu!r}")
 
 
 @dataclass(frozen=True)
@@ -132,6 +185,12 @@ class Isolation:
     """Only the variables of `kernel_env`; nothing from the server's environment."""
     scratch_dir: bool
     """Private working dir, HOME and TMPDIR, removed when the kernel closes."""
+    cgroup: Literal["v1", "v2", ""] = ""
+    """Each kernel in its own cgroup ("v1" or "v2"): a memory limit for all its processes, their CPU time
+    measured together; "" = none (no root, or the host offers no usable memory controller)."""
+    uid_base: int = 0
+    """First uid of the kernel uid range the pool holds alone on this host (sandbox.ownership); its kernels'
+    cgroups are grouped by it too. 0 = no range held (the isolation as probed, before a pool claims one)."""
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -143,18 +202,21 @@ _PROCESS = Isolation("process", False, False, False, False, True, True, True)
 
 def detect_isolation(requested: IsolationMode = "auto") -> Isolation:
     """The isolation kernels will get: "process" as asked, "namespaces" if the probe works (else
-    RuntimeError saying why), "auto" the best that works here. The probe runs once per process."""
+    RuntimeError saying why), "auto" the best that works here; with cgroups where they work (see
+    `cgroup_problem`). The probes run once per process."""
     if requested not in _MODES:
         raise ValueError(f"isolation must be one of {', '.join(_MODES)}; got {requested!r}")
     _setpriv_with_pdeathsig()  # probed here, once, so that kernel_argv never waits for it in an event loop
+    cgroups = usable_cgroups()
+    cgroup = cgroups.version if cgroups is not None else ""
     if requested == "process":
-        return _PROCESS
+        return dataclasses.replace(_PROCESS, cgroup=cgroup)
     problem = _namespace_problem()
     if problem is None:
-        return _NAMESPACES
+        return dataclasses.replace(_NAMESPACES, cgroup=cgroup)
     if requested == "namespaces":
         raise RuntimeError(f"isolation='namespaces' does not work here: {problem}. Use isolation='process' or 'auto'.")
-    return _PROCESS
+    return dataclasses.replace(_PROCESS, cgroup=cgroup)
 
 
 @functools.lru_cache(maxsize=1)
@@ -195,8 +257,10 @@ def kernel_argv(isolation: Isolation, limits: Limits, uid: int | None, python: s
     """The kernelspec argv; "{connection_file}" occurs once and jupyter_client substitutes it.
 
     With namespaces the kernel runs as `uid` (UID_BASE + slot, required); in process mode `uid` is
-    ignored and the kernel runs as the server's uid. The argv is for a kernel this process starts: the
-    kernel dies when the thread that starts it ends (see the module docstring).
+    ignored and the kernel runs as the server's uid. With `isolation.cgroup` and a uid range held
+    (`isolation.uid_base`, set by the pool) the launcher puts the kernel in its own cgroup (`KernelCgroup`).
+    The argv is for a kernel this process starts: the kernel dies when the thread that starts it ends (see
+    the module docstring).
     """
     namespaces = isolation.mode == "namespaces"
     if namespaces and (uid is None or isinstance(uid, bool) or not isinstance(uid, int) or uid <= 0):
@@ -204,10 +268,13 @@ def kernel_argv(isolation: Isolation, limits: Limits, uid: int | None, python: s
             "namespace isolation needs a kernel uid > 0 (UID_BASE + slot): as root inside its namespaces a "
             f"kernel could remount the file system writable; got {uid!r}"
         )
-    return _launcher_argv(namespaces, limits, uid if namespaces else None, python, probe=False)
+    group = range_group(isolation.uid_base) if isolation.cgroup and isolation.uid_base else None
+    return _launcher_argv(namespaces, limits, uid if namespaces else None, python, probe=False, group=group)
 
 
-def _launcher_argv(namespaces: bool, limits: Limits, uid: int | None, python: str, *, probe: bool) -> list[str]:
+def _launcher_argv(
+    namespaces: bool, limits: Limits, uid: int | None, python: str, *, probe: bool, group: str | None = None
+) -> list[str]:
     launch = [
         python,
         "-m",
@@ -217,6 +284,8 @@ def _launcher_argv(namespaces: bool, limits: Limits, uid: int | None, python: st
         f"--file-size-mb={limits.file_size_mb}",
         f"--open-files={limits.open_files}",
     ]
+    if group is not None:
+        launch += [f"--cgroup-group={group}", f"--cgroup-memory-mb={limits.kernel_memory_mb}"]
     if probe:
         launch.append("--probe")
     die_with_owner = _die_with_parent(python)
@@ -291,10 +360,14 @@ def kernel_env(scratch: Path) -> dict[str, str]:
 
 
 def make_scratch(root: Path, uid: int | None) -> Path:
-    """A new private dir (mode 0700) under `root`, owned by `uid` (and gid `uid`) when given."""
+    """A new private dir (mode 0700) under `root`, owned by `uid` (and gid `uid`) when given.
+
+    Named `kernel-<pid of this process>-<random>`: a later owner of this process's uid range tells the dirs
+    this process left in a shared scratch root by that pid (sandbox.ownership).
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="kernel-", dir=root))
+    path = Path(tempfile.mkdtemp(prefix=scratch_prefix(os.getpid()), dir=root))
     if uid is not None:
         os.chown(path, uid, uid)
     return path
@@ -325,18 +398,55 @@ def _make_removable(directory: Path) -> None:
             _make_removable(sub)
 
 
-def kill_uid_processes(uid: int) -> int:
-    """SIGKILL every process of real uid `uid` visible here; returns how many were killed.
+def scratch_prefix(pid: int) -> str:
+    """How the names of the scratch dirs made by process `pid` begin (`make_scratch`)."""
+    return f"kernel-{pid}-"
+
+
+def scratch_bytes(path: Path) -> int:
+    """Disk space `path` and everything under it take (allocated blocks, each inode once, as `du -s`); links are
+    not followed. 0 if it does not exist."""
+    try:
+        top = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    total, seen = top.st_blocks * 512, {(top.st_dev, top.st_ino)}
+    todo = [Path(path)]
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                total += info.st_blocks * 512
+            if stat.S_ISDIR(info.st_mode):
+                todo.append(Path(entry.path))
+    return total
+
+
+def kill_uid_processes(uids: int | range) -> int:
+    """SIGKILL every process whose real uid is `uids` (or in that range) visible here; returns how many were killed.
 
     A kernel's processes all die with it in namespace mode, and the kernel dies with its server; this is
-    for a kernel left behind all the same (see "Not isolated" above): call it for each slot's uid before
-    reusing the slot.
+    for a kernel left behind all the same (see "Not isolated" above): sandbox.ownership calls it for the
+    whole uid range a pool takes over.
     """
-    if uid == 0 or uid == os.getuid():
-        raise ValueError(f"refusing to kill the processes of uid {uid} (root or the server's own uid)")
+    wanted = range(uids, uids + 1) if isinstance(uids, int) else uids
+    if 0 in wanted or os.getuid() in wanted:
+        raise ValueError(f"refusing to kill the processes of uid {uids} (root or the server's own uid)")
+    return _kill_until_gone(lambda: [pid for pid, uid in _process_uids() if uid in wanted])
+
+
+def _kill_until_gone(find: Callable[[], list[int]]) -> int:
     killed = 0
     for _ in range(20):  # the processes may still be forking while we kill
-        pids = _pids_of_uid(uid)
+        pids = find()
         if not pids:
             break
         for pid in pids:
@@ -346,8 +456,9 @@ def kill_uid_processes(uid: int) -> int:
     return killed
 
 
-def _pids_of_uid(uid: int) -> list[int]:
-    pids = []
+def _process_uids() -> list[tuple[int, int]]:
+    """(pid, real uid) of every live process; zombies are already dead (their parent has yet to reap them)."""
+    found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -356,7 +467,340 @@ def _pids_of_uid(uid: int) -> list[int]:
                 fields = dict(line.split(":", 1) for line in status if ":" in line)
         except (FileNotFoundError, ProcessLookupError):
             continue
-        # zombies are already dead (their parent has yet to reap them); Uid: real effective saved fs
-        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
-            pids.append(int(entry.name))
-    return pids
+        # Uid: real effective saved fs
+        if not fields["State"].strip().startswith("Z"):
+            found.append((int(entry.name), int(fields["Uid"].split()[0])))
+    return found
+
+
+def kill_processes_with_home(prefix: str) -> int:
+    """SIGKILL every process of this uid (but this one) whose HOME starts with `prefix`; returns how many.
+
+    For what a process-mode kernel started and left behind: its children keep the kernel's environment, whose
+    HOME is its scratch dir, unless they changed it (cgroups catch those too, where they work).
+    """
+    me = os.getpid()
+
+    def find() -> list[int]:
+        pids = []
+        for pid, uid in _process_uids():
+            if uid != os.getuid() or pid == me:
+                continue
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            home = next((v[5:] for v in environ if v.startswith(b"HOME=")), b"")
+            if home.startswith(os.fsencode(prefix)):
+                pids.append(pid)
+        return pids
+
+    return _kill_until_gone(find)
+
+
+def session_cpu_seconds(session: int) -> float:
+    """CPU seconds (user + system, with those of reaped children) of the processes in session `session`.
+
+    The per-call CPU measure where a kernel has no cgroup: jupyter_client starts each kernel in its own session.
+    """
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[3]) == session:  # fields[k] is field k+3 of proc(5): session, then utime .. cstime
+            total += sum(int(x) for x in fields[11:15])
+    return total / tick
+
+
+# --- cgroups -----------------------------------------------------------------------------------------
+
+CGROUP_DIR = "stare-sandbox"
+"""The dir made under this process's own cgroup (in each hierarchy used) that holds its kernels' cgroups."""
+
+
+@dataclass(frozen=True)
+class Cgroups:
+    """Where this process's kernels get their cgroups."""
+
+    version: Literal["v1", "v2"]
+    memory: Path
+    """CGROUP_DIR in the hierarchy with the memory controller."""
+    cpu: Path
+    """CGROUP_DIR in the hierarchy that counts CPU time: cpuacct on v1, the same dir as `memory` on v2."""
+
+    @property
+    def dirs(self) -> tuple[Path, ...]:
+        return (self.memory,) if self.memory == self.cpu else (self.memory, self.cpu)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"version": self.version, "memory": str(self.memory), "cpu": str(self.cpu)}
+
+    @classmethod
+    def from_dict(cls, value: dict) -> Cgroups:
+        return cls(value["version"], Path(value["memory"]), Path(value["cpu"]))
+
+
+def find_cgroups() -> Cgroups | str:
+    """The cgroup dirs this process's kernels would use (made by nobody yet), or why there are none.
+
+    cgroup v2 where this process's cgroup offers the memory and cpu controllers, else cgroup v1 where the memory
+    and cpuacct hierarchies are mounted. The launcher calls this too: a kernel's launcher is still in its
+    server's cgroup when it looks, so both find the same dirs.
+    """
+    if not sys.platform.startswith("linux"):
+        return f"cgroups need Linux; this is {sys.platform}"
+    try:
+        own = {}  # controller ("" for v2) -> this process's cgroup path
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for controller in controllers.split(","):
+                own[controller] = path
+        mounts = _cgroup_mounts()
+    except OSError as e:
+        return f"cannot read this process's cgroups: {e}"
+    v2 = _in_mount(mounts.get("cgroup2"), own.get(""))
+    if v2 is not None:
+        try:
+            offered = (v2 / "cgroup.controllers").read_text().split()
+        except OSError:
+            offered = []
+        if {"memory", "cpu"} <= set(offered):
+            return Cgroups("v2", v2 / CGROUP_DIR, v2 / CGROUP_DIR)
+    memory = _in_mount(mounts.get("memory"), own.get("memory"))
+    cpu = _in_mount(mounts.get("cpuacct"), own.get("cpuacct"))
+    if memory is not None and cpu is not None:
+        return Cgroups("v1", memory / CGROUP_DIR, cpu / CGROUP_DIR)
+    where = f"cgroup2 at {mounts['cgroup2'][1]} offers no memory controller" if "cgroup2" in mounts else "no cgroup2"
+    return f"{where}, and no cgroup v1 memory and cpuacct hierarchies are mounted"
+
+
+def _cgroup_mounts() -> dict[str, tuple[str, str]]:
+    """The cgroup mounts: "cgroup2", or a v1 controller -> (root of the mount within its hierarchy, mount point)."""
+    mounts = {}
+    with open("/proc/self/mountinfo") as info:
+        for line in info:
+            fields = line.split()
+            dash = fields.index("-")
+            kind, options = fields[dash + 1], fields[dash + 3].split(",")
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if kind == "cgroup2":
+                mounts.setdefault("cgroup2", (fields[3], point))
+            elif kind == "cgroup":
+                for controller in {"memory", "cpuacct"} & set(options):
+                    mounts.setdefault(controller, (fields[3], point))
+    return mounts
+
+
+def _in_mount(mount: tuple[str, str] | None, path: str | None) -> Path | None:
+    """Where cgroup `path` of a hierarchy appears under its mount, if it does."""
+    if mount is None or path is None:
+        return None
+    root, point = mount
+    if root == "/":
+        return Path(point) / path.lstrip("/")
+    if path != root and not path.startswith(root + "/"):
+        return None
+    return Path(point) / path[len(root) :].lstrip("/")
+
+
+@functools.lru_cache(maxsize=1)
+def cgroup_problem() -> str | None:
+    """None if kernels can get cgroups here (the dirs are made, a probe cgroup gets a memory limit), else why not."""
+    found = find_cgroups()
+    if isinstance(found, str):
+        return found
+    probe = KernelCgroup(found, f"probe-{os.getpid()}", "kernel")
+    try:
+        prepare_cgroups(found)
+        probe.create(256 * 2**20)
+    except OSError as e:
+        return f"cannot use cgroup {found.version} at {found.memory}: {e}"
+    finally:
+        sweep_cgroups(found, probe.group)
+    return None
+
+
+def prepare_cgroups(cgroups: Cgroups) -> None:
+    """Make CGROUP_DIR in each hierarchy; on v2 also hand the memory and cpu controllers down to it."""
+    for directory in cgroups.dirs:
+        directory.mkdir(exist_ok=True)
+    if cgroups.version == "v2":
+        _delegate(cgroups.memory.parent)  # fails (EBUSY) while it holds processes, unless it is the root cgroup
+        _delegate(cgroups.memory)
+
+
+def _delegate(directory: Path) -> None:
+    """cgroup v2: let the children of `directory` have the memory and cpu controllers."""
+    if not {"memory", "cpu"} <= set((directory / "cgroup.subtree_control").read_text().split()):
+        (directory / "cgroup.subtree_control").write_text("+memory +cpu")
+
+
+def range_group(uid_base: int) -> str:
+    """The dir, in CGROUP_DIR, of the cgroups of the kernels of the pool holding the uid range from `uid_base`."""
+    return f"uids-{uid_base}"
+
+
+@dataclass(frozen=True)
+class KernelCgroup:
+    """One kernel's cgroup, CGROUP_DIR/group/name in each hierarchy of `cgroups`: `group` is its pool's
+    (`range_group`: pools hold their uid ranges alone, so no other pool touches it), `name` its scratch dir's."""
+
+    cgroups: Cgroups
+    group: str
+    name: str
+
+    @property
+    def dirs(self) -> tuple[Path, ...]:
+        return tuple(d / self.group / self.name for d in self.cgroups.dirs)
+
+    def exists(self) -> bool:
+        return self.dirs[0].is_dir()
+
+    def create(self, memory_bytes: int) -> None:
+        """Make the cgroup with its memory limit (swap included: no swap for the kernel where the host can tell)."""
+        for directory in self.dirs:
+            directory.parent.mkdir(exist_ok=True)
+            if self.cgroups.version == "v2":
+                _delegate(directory.parent)
+            directory.mkdir(exist_ok=True)
+        memory = self.dirs[0]
+        if self.cgroups.version == "v1":
+            (memory / "memory.limit_in_bytes").write_text(str(memory_bytes))
+            with contextlib.suppress(OSError):  # absent without swap accounting
+                (memory / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+        else:
+            (memory / "memory.max").write_text(str(memory_bytes))
+            with contextlib.suppress(OSError):
+                (memory / "memory.swap.max").write_text("0")
+
+    def join(self, memory_bytes: int) -> None:
+        """Create the cgroup and move this process into it (its children follow)."""
+        for attempt in range(10):  # a sweep may remove an empty dir we just made: make it again
+            try:
+                self.create(memory_bytes)
+                for directory in self.dirs:
+                    (directory / "cgroup.procs").write_text(str(os.getpid()))
+                return
+            except FileNotFoundError:
+                if attempt == 9:
+                    raise
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in (self.dirs[0] / "cgroup.procs").read_text().split()]
+        except FileNotFoundError:
+            return []
+
+    def kill(self) -> int:
+        """SIGKILL every process in the cgroup; returns how many."""
+        return _kill_until_gone(self.pids)
+
+    def remove(self) -> bool:
+        """Remove the cgroup if it holds no process (a killed one may take a moment to leave it)."""
+        return all(_rmdir_when_empty(directory) for directory in self.dirs)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time of all the cgroup's processes, dead ones included; None if the cgroup is gone."""
+        cpu = self.dirs[-1]
+        try:
+            if self.cgroups.version == "v1":
+                return int((cpu / "cpuacct.usage").read_text()) / 1e9
+            return int(dict(line.split() for line in (cpu / "cpu.stat").read_text().splitlines())["usage_usec"]) / 1e6
+        except (FileNotFoundError, KeyError, ValueError):
+            return None
+
+    def oom_kills(self) -> int:
+        """Processes of the cgroup the kernel's OOM killer has killed for its memory limit (0 if gone)."""
+        events = "memory.oom_control" if self.cgroups.version == "v1" else "memory.events"
+        try:
+            lines = (self.dirs[0] / events).read_text().splitlines()
+        except FileNotFoundError:
+            return 0
+        return int(dict(line.split() for line in lines).get("oom_kill", 0))
+
+
+def _rmdir_when_empty(directory: Path, wait_s: float = 0.5) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            directory.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:  # EBUSY: processes, or killed ones not yet reaped
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+
+@functools.lru_cache(maxsize=1)
+def usable_cgroups() -> Cgroups | None:
+    """This process's kernel cgroup dirs if cgroups work here (`cgroup_problem`), else None."""
+    found = find_cgroups() if cgroup_problem() is None else None
+    return found if isinstance(found, Cgroups) else None
+
+
+class KernelMeter:
+    """What one kernel uses, all its processes together: CPU seconds, OOM kills, scratch bytes; and killing them.
+
+    By the kernel's cgroup (in `group`, its pool's) where it has one; else CPU time is that of the processes in
+    the kernel's session (`session`: the pid of its first process, which jupyter_client makes a session leader)
+    and nothing counts OOM kills.
+    """
+
+    def __init__(self, scratch: Path, session: int | None, group: str):
+        cgroups = usable_cgroups()
+        cgroup = KernelCgroup(cgroups, group, Path(scratch).name) if cgroups is not None else None
+        self.cgroup = cgroup if cgroup is not None and cgroup.exists() else None
+        self.scratch = Path(scratch)
+        self.session = session
+
+    def cpu_seconds(self) -> float:
+        used = self.cgroup.cpu_seconds() if self.cgroup is not None else None
+        if used is None:
+            used = session_cpu_seconds(self.session) if self.session else 0.0
+        return used
+
+    def oom_kills(self) -> int:
+        return self.cgroup.oom_kills() if self.cgroup is not None else 0
+
+    def scratch_bytes(self) -> int:
+        return scratch_bytes(self.scratch)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the kernel now: its cgroup, else its process group."""
+        if self.cgroup is not None:
+            self.cgroup.kill()
+        elif self.session:
+            with contextlib.suppress(OSError):
+                os.killpg(self.session, signal.SIGKILL)
+
+
+def sweep_cgroups(cgroups: Cgroups, group: str, scratch_root: Path | None = None) -> int:
+    """With `scratch_root`: remove the cgroups in `group` whose kernel is gone (its scratch dir removed) and that
+    hold no process. Without: end every process in `group`, then remove its cgroups and the group itself.
+    Returns how many processes were killed."""
+    try:  # a cgroup dir holds its control files too; its subdirs are the cgroups
+        names = [e.name for e in os.scandir(cgroups.memory / group) if e.is_dir(follow_symlinks=False)]
+    except OSError:  # no such group (or not ours to read)
+        return 0
+    killed = 0
+    for name in names:
+        cgroup = KernelCgroup(cgroups, group, name)
+        if scratch_root is None:
+            killed += cgroup.kill()
+            cgroup.remove()
+        elif not (Path(scratch_root) / name).exists():
+            for directory in cgroup.dirs:
+                with contextlib.suppress(OSError):  # busy: processes are still in it; a later sweep tries again
+                    directory.rmdir()
+    if scratch_root is None:
+        for directory in cgroups.dirs:
+            _rmdir_when_empty(directory / group)
+    return killed

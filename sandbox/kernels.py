@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
+import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -37,15 +40,26 @@ from jupyter_client.kernelspec import KernelSpecManager
 
 from sandbox.isolation import (
     UID_BASE,
+    UID_RANGE_SIZE,
+    Cgroups,
     Isolation,
     IsolationMode,
+    KernelMeter,
     Limits,
+    cgroup_problem,
     detect_isolation,
     kernel_argv,
     kernel_env,
+    kill_processes_with_home,
     make_scratch,
+    prepare_cgroups,
+    range_group,
     remove_scratch,
+    scratch_prefix,
+    sweep_cgroups,
+    usable_cgroups,
 )
+from sandbox.ownership import Owner, check_uid_base, claim_uid_range
 from sandbox.schemas import ErrorInfo, RunResult
 
 log = logging.getLogger("sandbox")
@@ -101,10 +115,27 @@ class PoolSettings:
     stateless_reuse: int = 50
     """Stateless runs a kernel serves (reset between them) before it is replaced, drawn per kernel from
     [ceil(n/2), n] so kernels do not all retire together; 0 = a fresh kernel every run."""
+    max_starting: int = field(
+        default_factory=lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    )
+    """Kernels starting at once, always in the background (default: the cores this process may use). A call
+    never starts a kernel itself: it waits for one, and starts beyond this bound wait their turn. 0 = no bound,
+    one start per waiting call at once, as before this setting (on 2 cores ~30 concurrent starts stalled every
+    call for 10+ s); kept for before/after benchmarks."""
+    queue_wait_s: float = 30.0
+    """How long a call waits for a ready kernel before it is refused: a stateless call then gets HTTP 503 with
+    Retry-After (its code never ran, so clients retry it), creating a session 503 too. Keep it below the
+    clients' HTTP timeout, so that a burst beyond capacity is answered instead of timing out."""
     scratch_root: str = ""
     """Where scratch directories are made; empty = a new folder in the system temp dir."""
     warmup_code: str = "import math\nimport numpy as np\nimport sympy as sp\n"
     """Run in every new kernel before it is handed out."""
+    uid_base: int = 0
+    """First uid of the kernel uid range this pool holds exclusively on the host (sandbox.ownership): 61000, 62000,
+    ... 99000 (not 65000); 0 = the first range no other pool holds. A range another pool holds is refused."""
+    cgroups: bool = True
+    """Put each kernel in its own cgroup where cgroups work (memory cap for all its processes, their CPU time
+    counted together); False = rlimits only."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.pool_size <= self.max_kernels:
@@ -117,14 +148,19 @@ class PoolSettings:
             raise ValueError(f"output_limit_chars must be >= 100; got {self.output_limit_chars}")
         if self.stateless_reuse < 0 or self.interrupt_grace_s <= 0 or self.startup_timeout_s <= 0:
             raise ValueError("stateless_reuse must be >= 0, interrupt_grace_s and startup_timeout_s > 0")
+        if self.max_starting < 0:
+            raise ValueError(f"max_starting must be >= 0 (0 = no bound); got {self.max_starting}")
+        if self.queue_wait_s <= 0:
+            raise ValueError(f"queue_wait_s must be > 0; got {self.queue_wait_s}")
+        check_uid_base(self.uid_base, self.max_kernels)
 
 
 class SandboxError(RuntimeError):
     """The service could not run the code (as opposed to the code failing)."""
 
 
-class _NoFreeSlot(SandboxError):
-    """Every kernel slot is taken (acquire then waits for a kernel to come back)."""
+class KernelsBusy(SandboxError):
+    """No kernel became ready within queue_wait_s: the call never ran, and may be retried later."""
 
 
 class _Capture:
@@ -168,6 +204,78 @@ class _SandboxKernelManager(AsyncKernelManager):
         return [arg.replace("{connection_file}", self.connection_file) for arg in self.sandbox_argv]
 
 
+CAP_CHECK_S = 0.5
+"""How often a running call's CPU time, its kernel's OOM kills and scratch size are checked against the caps."""
+
+
+class _CallCaps:
+    """The caps of one call on one kernel (Limits: call_cpu_s, kernel_memory_mb, scratch_mb), measured by KernelMeter.
+
+    A call over a cap gets a result naming it, and its kernel is killed at once and marked dead, so the caller
+    replaces it: the kernel's memory, CPU and scratch files (the quota's bytes) are freed with it.
+    """
+
+    def __init__(self, kernel: Kernel, meter: KernelMeter, limits: Limits, cpu_cap: float, cpu_start: float):
+        self.kernel, self.meter, self.limits = kernel, meter, limits
+        self.cpu_cap, self.cpu_start = cpu_cap, cpu_start
+        self.oom_start = meter.oom_kills()
+
+    @classmethod
+    async def begin(cls, kernel: Kernel, timeout_s: float, limits: Limits) -> _CallCaps:
+        process = getattr(kernel.manager.provisioner, "process", None)  # a Popen: the kernel's session leader
+        first_uid = UID_BASE + kernel.slot - kernel.slot % UID_RANGE_SIZE  # of the pool's range (KernelPool._start)
+        meter = KernelMeter(kernel.scratch, process.pid if process is not None else None, range_group(first_uid))
+        # Its processes cannot use more CPU than the wall time times the cores: then the timeout comes first,
+        # and the CPU time (a scan of /proc without a cgroup) is never read.
+        cpu_cap = limits.call_cpu_s
+        if cpu_cap and timeout_s * len(os.sched_getaffinity(0)) <= cpu_cap:
+            cpu_cap = 0.0
+        cpu_start = await asyncio.to_thread(meter.cpu_seconds) if cpu_cap else 0.0
+        return cls(kernel, meter, limits, cpu_cap, cpu_start)
+
+    async def exceeded(self, *, during: bool) -> tuple[str, ErrorInfo] | None:
+        """(status, error) if the call went over a cap, after killing the kernel; else None."""
+        over = self.memory_exceeded()
+        if over is None and during and self.cpu_cap:
+            used = await asyncio.to_thread(self.meter.cpu_seconds) - self.cpu_start
+            if used > self.cpu_cap:
+                over = (
+                    "timeout",
+                    ErrorInfo(
+                        name="CPULimit",
+                        message=f"the call used more than {self.cpu_cap:g} CPU seconds (all the kernel's processes "
+                        "together; limits.call_cpu_s); the kernel was stopped and replaced, so all variables are lost",
+                    ),
+                )
+        if over is None and self.limits.scratch_mb:
+            held = await asyncio.to_thread(self.meter.scratch_bytes)
+            if held > self.limits.scratch_mb * 2**20:
+                over = (
+                    "error",
+                    ErrorInfo(
+                        name="ScratchQuota",
+                        message=f"the working directory held {held / 2**20:.0f} MiB, over the quota of "
+                        f"{self.limits.scratch_mb} MiB (limits.scratch_mb); the kernel was stopped and its files "
+                        "removed, so all variables and files are lost",
+                    ),
+                )
+        if over is not None:
+            self.kernel.dead = True
+            await asyncio.to_thread(self.meter.kill)
+        return over
+
+    def memory_exceeded(self) -> tuple[str, ErrorInfo] | None:
+        """(status, error) if the kernel's cgroup hit its memory limit during the call (its OOM killer struck)."""
+        if self.meter.oom_kills() <= self.oom_start:
+            return None
+        return "memory", ErrorInfo(
+            name="MemoryLimit",
+            message=f"the kernel's processes together went over {self.limits.kernel_memory_mb} MiB of memory "
+            "(limits.kernel_memory_mb) and one was killed; the kernel was stopped and replaced, so all variables "
+            "are lost",
+        )
+
+
 class Kernel:
     """One kernel process, its client and its scratch directory."""
 
@@ -183,17 +291,29 @@ class Kernel:
         self._stopping = asyncio.Lock()
 
     async def execute(self, code: str, timeout_s: float, settings: PoolSettings) -> RunResult:
-        """Run `code`; never raises for anything the code does."""
+        """Run `code`; never raises for anything the code does.
+
+        The per-call caps (settings.limits: call_cpu_s, kernel_memory_mb through the kernel's cgroup, scratch_mb)
+        are checked every CAP_CHECK_S while the code runs and, but CPU, once after; a call over one is stopped and
+        the kernel killed (the caller replaces it, which also removes its files).
+        """
         started = time.perf_counter()
         stdout, stderr = _Capture(settings.output_limit_chars), _Capture(settings.output_limit_chars)
+        caps = await _CallCaps.begin(self, timeout_s, settings.limits)
         # stop_on_error=False: otherwise ipykernel may answer "aborted" to the call after an error or interrupt.
         msg_id = self.client.execute(code, silent=False, store_history=False, allow_stdin=False, stop_on_error=False)
         error: ErrorInfo | None = None
         status = "ok"
         deadline = time.monotonic() + timeout_s
         interrupted_at: float | None = None
+        next_check = time.monotonic() + CAP_CHECK_S
         while True:
             now = time.monotonic()
+            if now >= next_check:
+                next_check = now + CAP_CHECK_S
+                if (over := await caps.exceeded(during=True)) is not None:
+                    status, error = over
+                    break
             if interrupted_at is None and now >= deadline:
                 interrupted_at = now
                 await self._interrupt()
@@ -224,7 +344,8 @@ class Kernel:
             except queue.Empty:
                 if not await self.manager.is_alive():
                     self.dead = True
-                    status, error = (
+                    await asyncio.to_thread(caps.meter.kill)  # what the kernel started dies with it, also here
+                    status, error = caps.memory_exceeded() or (
                         "sandbox_error",
                         ErrorInfo(
                             name="KernelDied",
@@ -260,6 +381,8 @@ class Kernel:
                     status = "error"
             elif kind == "status" and content.get("execution_state") == "idle":
                 break
+        if not self.dead and (over := await caps.exceeded(during=False)) is not None:
+            status, error = over
         await self._drain_shell()
         return RunResult(
             status=status,
@@ -314,29 +437,55 @@ class Kernel:
 
 
 class KernelPool:
-    """Starts kernels ahead of demand and hands them out; knows nothing about HTTP."""
+    """Starts kernels ahead of demand and hands them out; knows nothing about HTTP.
+
+    The pool keeps `pool_size` kernels ready beyond the calls waiting for one. Kernels are started only in the
+    background (`_refill`), at most `max_starting` at once, so a burst never has every call starting its own
+    kernel on cores that are busy running code. A call takes a ready kernel or waits, first come first served,
+    for the next one a start brings or a reset gives back, up to `queue_wait_s` (then `KernelsBusy`). Taking a
+    ready kernel leaves a shortfall that starts a successor at once, while the call runs: a kernel that retires
+    after the run (dead, or its `stateless_reuse` runs served) has its successor under way already.
+    """
+
+    FAILURE_CAUSES = ("timeout", "died", "warmup", "error")
+    """Why a kernel start failed: not ready within startup_timeout_s; its process exited while starting; the
+    warm-up code failed; anything else (e.g. it could not be launched). Cancellation at shutdown is none."""
+    WAIT_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+    """Upper bounds (inclusive) of the buckets of `wait_counts`; its last bucket holds longer waits."""
+    START_RETRY_S = 1.0
+    """After a failed start no new start begins for this long, so that a broken setup does not spin."""
 
     def __init__(self, settings: PoolSettings):
         self.settings = settings
         self.isolation: Isolation | None = None
-        self._ready: asyncio.Queue[Kernel] = asyncio.Queue()
+        # Warm idle kernels. Never non-empty while calls wait: a kernel that becomes ready goes to a waiting call.
+        self._ready: collections.deque[Kernel] = collections.deque()
+        self._waiters: collections.deque[asyncio.Future[Kernel]] = collections.deque()  # waiting calls, oldest first
         self._free_slots = list(range(settings.max_kernels))
-        self._slot_freed = asyncio.Condition()
         self._background: set[asyncio.Task] = set()
-        self._refilling = False
-        self._resetting = 0  # stateless kernels being reset in the background
+        self._starting = 0  # kernels being started; each holds a slot
+        self._returning = 0  # stateless kernels being reset that will be ready again
+        self._retry_at = 0.0  # time.monotonic() before which no start begins (set after a failed start)
         self._closed = False
         # Every kernel whose process may exist: starting, ready, in use (session or stateless run) or resetting.
         self._kernels: set[Kernel] = set()
         self._owns_root = not settings.scratch_root
         self._root: Path | None = Path(settings.scratch_root) if settings.scratch_root else None
         self._specs: KernelSpecManager | None = None
+        # Counts for /healthz and /metrics (they only grow).
         self.kernels_started = 0
-        self.start_failures = 0
+        self.start_failures_by_cause: collections.Counter[str] = collections.Counter()  # keys: FAILURE_CAUSES
+        self.starting_peak = 0  # most kernels starting at once so far: at most max_starting when that is > 0
+        self.waits_refused = 0  # calls that got no kernel within queue_wait_s (KernelsBusy)
+        self.wait_counts = [0] * (len(self.WAIT_BUCKETS_S) + 1)  # acquire calls by seconds waited, per bucket
+        self.wait_sum_s = 0.0
+
+    _owner: Owner | None = None  # the kernel uid range, held from start() to close()
+    _cgroups: Cgroups | None = None  # where the kernels' cgroups are, if they get any
 
     async def start(self) -> None:
-        """Probe the isolation, make the scratch root and start filling the pool; on failure (or cancellation)
-        everything made so far is removed again."""
+        """Probe the isolation, claim a uid range, make the scratch root and start filling the pool; on failure (or
+        cancellation) everything made so far is removed again."""
         try:
             await self._start()
         except BaseException:
@@ -344,11 +493,29 @@ class KernelPool:
             raise
 
     async def _start(self) -> None:
-        self.isolation = await asyncio.to_thread(detect_isolation, self.settings.isolation)
+        isolation = await asyncio.to_thread(detect_isolation, self.settings.isolation)
+        # The pool's own uid range: its slots are those uids less UID_BASE. What a previous owner of the range
+        # left when it died without its clean-up is ended and removed before any kernel starts.
+        self._owner = await asyncio.to_thread(claim_uid_range, self.settings.uid_base, self.settings.max_kernels)
+        atexit.register(self._remove_leftovers)
+        cgroup = isolation.cgroup if self.settings.cgroups else ""
+        self.isolation = dataclasses.replace(isolation, cgroup=cgroup, uid_base=self._owner.first)
+        self._cgroups = usable_cgroups() if cgroup else None
+        reclaimed = await asyncio.to_thread(self._owner.reclaim)
+        if self._owner.previous:
+            log.warning(
+                "kernel uids %d-%d: their previous owner stopped without its clean-up; %s",
+                self._owner.first,
+                self._owner.last,
+                reclaimed,
+            )
+        self._free_slots = self._owner.slots(self.settings.max_kernels)
+        if self._cgroups is not None:
+            await asyncio.to_thread(prepare_cgroups, self._cgroups)
         if self._root is None:  # made here, not in __init__: a pool never started leaves nothing on disk
             self._root = Path(tempfile.mkdtemp(prefix="sandbox-"))
         self._root.mkdir(parents=True, exist_ok=True)
-        atexit.register(self._remove_leftovers)
+        self._owner.record(scratch_root=self._root, owns_root=self._owns_root, cgroups=self._cgroups)
         self._root.chmod(0o711)  # kernels running as other uids must reach their own scratch dirs
         spec_dir = self._root / "kernelspec" / "sandbox"
         spec_dir.mkdir(parents=True, exist_ok=True)
@@ -365,77 +532,138 @@ class KernelPool:
 
     @property
     def ready_count(self) -> int:
-        return self._ready.qsize()
+        return len(self._ready)
+
+    def caps(self) -> dict[str, object]:
+        """The caps in force and what enforces them, for /healthz."""
+        limits = self.settings.limits
+        cgroup = self.isolation.cgroup if self.isolation is not None else ""
+        if cgroup:
+            memory_by, why = f"cgroup {cgroup} per kernel, rlimit per process", None
+        else:
+            memory_by = "rlimit per process"
+            why = cgroup_problem() if self.settings.cgroups else "pool.cgroups is off"
+        first = self._owner.first if self._owner is not None else None
+        return {
+            "uid_range": [first, first + self.settings.max_kernels - 1] if first is not None else None,
+            "memory": {
+                "by": memory_by,
+                "kernel_mb": limits.kernel_memory_mb if cgroup else None,
+                "process_mb": limits.memory_mb,
+                "no_cgroup_because": why,
+            },
+            "call_cpu_s": {"by": f"cgroup {cgroup}" if cgroup else "session", "seconds": limits.call_cpu_s or None},
+            "scratch_mb": limits.scratch_mb or None,
+            "processes": limits.processes,
+            "file_size_mb": limits.file_size_mb,
+            "open_files": limits.open_files,
+        }
 
     @property
     def alive_count(self) -> int:
         return self.settings.max_kernels - len(self._free_slots)
 
-    async def acquire(self) -> Kernel:
-        """A warm kernel: from the pool if one is ready (or about to be, after a reset), else started now.
+    @property
+    def starting_count(self) -> int:
+        return self._starting
 
-        When every kernel already exists (more concurrent calls than max_kernels), wait for one to be given
-        back or for a slot to free up, up to startup_timeout_s: a burst of calls queues instead of failing.
+    @property
+    def waiting_count(self) -> int:
+        """Calls waiting for a kernel."""
+        return len(self._waiters)
+
+    @property
+    def start_failures(self) -> int:
+        return sum(self.start_failures_by_cause.values())
+
+    async def acquire(self) -> Kernel:
+        """A warm kernel: a ready one, else the next one a start or a reset brings, first come first served.
+
+        Raises KernelsBusy when none comes within queue_wait_s (every kernel held, or starts that cannot keep
+        up with the calls), SandboxError when the pool is closed.
         """
         if self._closed:
             raise SandboxError("the kernel pool is closed (the sandbox is shutting down)")
-        self._refill()
-        deadline = time.monotonic() + self.settings.startup_timeout_s
-        waited = False  # a reset takes milliseconds, a kernel start half a second: wait for a reset once
-        while True:
-            try:
-                kernel = self._ready.get_nowait()
-                break
-            except asyncio.QueueEmpty:
-                pass
-            if self._free_slots and (not self._resetting or waited):
-                try:
-                    kernel = await self._start_kernel()
-                    break
-                except _NoFreeSlot:
-                    pass  # another caller took the last slot first
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise SandboxError(
-                    f"all {self.settings.max_kernels} kernels stayed busy for {self.settings.startup_timeout_s:g}s"
-                )
-            try:
-                kernel = await _wait_for(self._ready.get(), min(1.0, remaining), self._ready.put_nowait)
-                break
-            except asyncio.TimeoutError:
-                waited = True
-        self._refill()
+        began = time.monotonic()
+        kernel = self._ready.popleft() if self._ready else await self._wait_for_kernel(began)
+        self._record_wait(time.monotonic() - began)
+        self._refill()  # the shortfall this leaves starts a successor now, while the call runs
         return kernel
 
-    def give_back_later(self, kernel: Kernel) -> None:
-        """give_back in the background, so the caller's result is not delayed by the reset."""
-        self._resetting += 1
-        task = asyncio.get_running_loop().create_task(self.give_back(kernel))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def give_back(self, kernel: Kernel) -> None:
-        """After a stateless run: reset and pool the kernel, or replace it."""
+    async def _wait_for_kernel(self, began: float) -> Kernel:
+        waiter: asyncio.Future[Kernel] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        self._refill()  # a waiting call counts as demand: a start begins now if max_starting allows
         try:
-            reusable = not kernel.dead and kernel.runs < kernel.reuse_limit and not self._closed
-            if reusable:
-                reset = await kernel.execute(RESET_CODE + self.settings.warmup_code, 30.0, self.settings)
-                reusable = reset.status == "ok" and not kernel.dead and not self._closed
-            if reusable:
-                await self._ready.put(kernel)
-            else:
-                await self.discard(kernel)
+            # Shielded: only this method cancels `waiter`, so a kernel handed to it is found below, never lost.
+            return await _wait_for(asyncio.shield(waiter), self.settings.queue_wait_s)
+        except asyncio.TimeoutError:
+            if self._handed(waiter):  # it came in the same loop turn as the timeout
+                return waiter.result()
+            self.waits_refused += 1
+            self._record_wait(time.monotonic() - began)
+            raise KernelsBusy(
+                f"no kernel became free within queue_wait_s={self.settings.queue_wait_s:g}s "
+                f"({len(self._waiters)} calls waiting, {self._starting} kernels starting, "
+                f"{self.alive_count} of max_kernels={self.settings.max_kernels} alive); retry later"
+            ) from None
         except BaseException:
-            await _run_to_end(self.discard(kernel))
+            if self._handed(waiter):  # cancelled as the kernel came: it goes to the next call instead
+                self._hand(waiter.result())
             raise
         finally:
-            self._resetting = max(0, self._resetting - 1)
+            waiter.cancel()  # nothing when it is done
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+
+    @staticmethod
+    def _handed(waiter: asyncio.Future[Kernel]) -> bool:
+        return waiter.done() and not waiter.cancelled() and waiter.exception() is None
+
+    def _hand(self, kernel: Kernel) -> None:
+        """A kernel that is ready goes to the call that has waited longest, else joins the ready ones."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(kernel)
+                return
+        self._ready.append(kernel)
+
+    def _record_wait(self, seconds: float) -> None:
+        self.wait_counts[bisect.bisect_left(self.WAIT_BUCKETS_S, seconds)] += 1
+        self.wait_sum_s += seconds
+
+    def give_back_later(self, kernel: Kernel) -> None:
+        """After a stateless run, in the background so that the caller's result is not delayed: reset the kernel
+        and make it ready again, or retire it (dead, its reuse_limit reached, or the pool closing).
+
+        A kernel to be reset counts as coming from now on, so no start begins on its account; one that retires
+        does not count, and its successor, if the pool needs one, began when the call took it (acquire).
+        """
+        returning = not kernel.dead and kernel.runs < kernel.reuse_limit and not self._closed
+        self._returning += returning
+        self._spawn(self._reset_or_retire(kernel, returning))
+
+    async def _reset_or_retire(self, kernel: Kernel, returning: bool) -> None:
+        try:
+            reset_ok = False
+            if returning:
+                reset = await kernel.execute(RESET_CODE + self.settings.warmup_code, 30.0, self.settings)
+                reset_ok = reset.status == "ok" and not kernel.dead and not self._closed
+        except BaseException:
+            self._returning -= returning
+            await _run_to_end(self.discard(kernel))
+            raise
+        self._returning -= returning
+        if reset_ok:
+            self._hand(kernel)
+        else:
+            await self.discard(kernel)
 
     async def discard(self, kernel: Kernel) -> None:
+        """Stop a kernel that will not be used again; its slot is free again for a successor."""
         await self._stop(kernel)
-        async with self._slot_freed:
-            self._free_slots.append(kernel.slot)
-            self._slot_freed.notify()
+        self._free_slots.append(kernel.slot)
         self._refill()
 
     async def close(self) -> None:
@@ -443,20 +671,23 @@ class KernelPool:
 
         Also kernels that are starting, resetting, or held by a session or a stateless run whose caller will never
         give them back: asyncio.run, interrupted (Ctrl-C, or SIGTERM turned into an exception by the CLI), cancels
-        every task at once, those callers too. Goes on to the end when the calling task is cancelled meanwhile.
+        every task at once, those callers too. Calls waiting for a kernel get a SandboxError at once. Goes on to
+        the end when the calling task is cancelled meanwhile.
         """
         self._closed = True
         await _run_to_end(self._close())
 
     async def _close(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(SandboxError("the kernel pool was closed while this call waited for a kernel"))
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(self._stop(kernel) for kernel in list(self._kernels)), return_exceptions=True)
-        while not self._ready.empty():
-            self._ready.get_nowait()
-        if self._owns_root and self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
+        self._ready.clear()
+        await asyncio.to_thread(self._release)
         atexit.unregister(self._remove_leftovers)
 
     def _remove_leftovers(self) -> None:
@@ -470,61 +701,98 @@ class KernelPool:
         """
         for kernel in list(self._kernels):
             kernel.kill_now()
+        self._release()
+
+    def _release(self) -> None:
+        """Once the kernels are stopped: end what they started and left running, remove the scratch root and the
+        kernels' cgroups, and give up the uid range."""
+        if self._owner is not None and self._cgroups is not None:
+            sweep_cgroups(self._cgroups, range_group(self._owner.first))
         if self._owns_root and self._root is not None:
+            # without cgroups, what process-mode kernels started is found by its HOME: a scratch dir of this root,
+            # which is this pool's alone (a shared scratch_root could hold another live pool's kernels)
+            if self.isolation is not None and not self.isolation.unprivileged_user:
+                kill_processes_with_home(f"{self._root}/{scratch_prefix(os.getpid())}")
             shutil.rmtree(self._root, ignore_errors=True)
+        if self._owner is not None:
+            self._owner.release()
 
     async def _stop(self, kernel: Kernel) -> None:
         await kernel.shutdown()
         self._kernels.discard(kernel)
 
-    def _refill(self) -> None:
-        if self._closed or self._refilling or self._ready.qsize() >= self.settings.pool_size:
-            return
-        self._refilling = True
-        task = asyncio.get_running_loop().create_task(self._refill_loop())
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _refill_loop(self) -> None:
-        try:
-            while not self._closed and self._ready.qsize() < self.settings.pool_size and self._free_slots:
-                try:
-                    kernel = await self._start_kernel()
-                except SandboxError as exc:
-                    log.warning("could not start a pool kernel: %s", exc)
-                    await asyncio.sleep(1.0)
-                    continue
-                await self._ready.put(kernel)
-        finally:
-            self._refilling = False
+    def _refill(self) -> None:
+        """Start kernels in the background while fewer than pool_size would be ready beyond the waiting calls
+        (starts under way and kernels being reset count as coming), at most max_starting at once.
 
-    async def _start_kernel(self) -> Kernel:
-        assert self._specs is not None and self.isolation is not None, "KernelPool.start() was not awaited"
-        if self._closed:
-            raise SandboxError("the kernel pool is closed (the sandbox is shutting down)")
-        async with self._slot_freed:
-            if not self._free_slots:
-                raise _NoFreeSlot(f"all {self.settings.max_kernels} kernels are in use")
-            slot = self._free_slots.pop(0)
-        uid = UID_BASE + slot if self.isolation.unprivileged_user else None
-        scratch = make_scratch(self._root, uid)
-        # The kernel's own zmq context, shared by its manager and client and destroyed by Kernel.shutdown once both
-        # are stopped, with linger 0 (jupyter_client's own contexts are destroyed with linger 100, once per
-        # client and manager, and that once blocked for good for a client stopped mid-start).
-        manager = _SandboxKernelManager(
-            kernel_name="sandbox", kernel_spec_manager=self._specs, context=zmq.asyncio.Context()
-        )
-        manager.sandbox_argv = kernel_argv(self.isolation, self.settings.limits, uid)
-        manager.transport = "ipc"
-        manager.ip = str(scratch / "ipc")
-        manager.connection_file = str(scratch / "kernel.json")
-        kernel = Kernel(manager, scratch, slot)
-        self._kernels.add(kernel)
-        # Spread retirements: with one shared limit, kernels used in turn all retire in the same second and
-        # every waiting call starts a kernel (docs/sandbox.md, stateless at concurrency 32).
-        reuse = self.settings.stateless_reuse
-        kernel.reuse_limit = random.randint((reuse + 1) // 2, reuse) if reuse else 0
+        The bound is what keeps a burst from collapsing: a start costs ~0.5 s of CPU, and 30 of them at once on
+        2 cores took every one 10+ s, while all calls waited (docs/sandbox.md, stateless at concurrency 32).
+        """
+        if self._closed or self._specs is None or time.monotonic() < self._retry_at:
+            return  # closed, not started yet (start() refills at its end), or pausing after a failed start
+        bound = self.settings.max_starting or self.settings.max_kernels  # 0: no bound but the slots
+        while self._free_slots and self._starting < bound and self._shortfall() > 0:
+            self._starting += 1
+            self.starting_peak = max(self.starting_peak, self._starting)
+            self._spawn(self._start_in_background(self._free_slots.pop(0)))
+
+    def _shortfall(self) -> int:
+        coming = len(self._ready) + self._starting + self._returning
+        return self.settings.pool_size + len(self._waiters) - coming
+
+    async def _start_in_background(self, slot: int) -> None:
         try:
+            kernel = await self._start_kernel(slot)
+        except SandboxError as exc:
+            self._starting -= 1
+            if self._closed:
+                return
+            log.warning("could not start a kernel: %s (next start in %g s)", exc, self.START_RETRY_S)
+            self._retry_at = time.monotonic() + self.START_RETRY_S
+            await asyncio.sleep(self.START_RETRY_S)
+            self._refill()
+            return
+        except BaseException:
+            self._starting -= 1
+            raise
+        self._starting -= 1
+        self._hand(kernel)
+        self._refill()  # one start fewer under way: the next may begin
+
+    async def _start_kernel(self, slot: int) -> Kernel:
+        """A warm kernel in `slot` (taken by the caller). On failure or cancellation nothing is left behind: no
+        process, no scratch dir, and the slot is free again."""
+        assert self._specs is not None and self.isolation is not None, "KernelPool.start() was not awaited"
+        began = time.monotonic()
+        scratch: Path | None = None
+        kernel: Kernel | None = None
+        cause: str | None = None  # known here for a warm-up failure, else found from the exception
+        try:
+            if self._closed:
+                raise SandboxError("the kernel pool is closed (the sandbox is shutting down)")
+            uid = UID_BASE + slot if self.isolation.unprivileged_user else None
+            scratch = make_scratch(self._root, uid)
+            # The kernel's own zmq context, shared by its manager and client and destroyed by Kernel.shutdown once
+            # both are stopped, with linger 0 (jupyter_client's own contexts are destroyed with linger 100, once per
+            # client and manager, and that once blocked for good for a client stopped mid-start).
+            manager = _SandboxKernelManager(
+                kernel_name="sandbox", kernel_spec_manager=self._specs, context=zmq.asyncio.Context()
+            )
+            manager.sandbox_argv = kernel_argv(self.isolation, self.settings.limits, uid)
+            manager.transport = "ipc"
+            manager.ip = str(scratch / "ipc")
+            manager.connection_file = str(scratch / "kernel.json")
+            kernel = Kernel(manager, scratch, slot)
+            self._kernels.add(kernel)
+            # Spread retirements: with one shared limit, kernels used in turn all retire in the same second and
+            # every waiting call waits for a start (docs/sandbox.md, stateless at concurrency 32).
+            reuse = self.settings.stateless_reuse
+            kernel.reuse_limit = random.randint((reuse + 1) // 2, reuse) if reuse else 0
             await _wait_for(manager.start_kernel(env=kernel_env(scratch)), self.settings.startup_timeout_s)
             kernel.client = manager.client(context=manager.context)
             # No heartbeat thread: liveness comes from the manager (the client's parent), and jupyter_client's
@@ -534,19 +802,31 @@ class KernelPool:
             await kernel.client.wait_for_ready(timeout=self.settings.startup_timeout_s)
             warm = await kernel.execute(self.settings.warmup_code, self.settings.startup_timeout_s, self.settings)
             if warm.status != "ok":
+                cause = "timeout" if warm.status == "timeout" else "died" if kernel.dead else "warmup"
                 raise SandboxError(f"warm-up failed: {warm.error.message if warm.error else warm.status}")
             if self._closed:  # close() ran while this kernel started and may have found no process yet
                 raise SandboxError("the kernel pool was closed while this kernel started")
         except BaseException as exc:  # including cancellation at shutdown: never leave a process behind
-            self.start_failures += not isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt))
-            await _run_to_end(self._stop(kernel))
-            async with self._slot_freed:
-                self._free_slots.append(slot)
+            if not self._closed and not isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)):
+                cause = cause or self._failure_cause(exc, kernel, time.monotonic() - began)
+                self.start_failures_by_cause[cause] += 1
+            if kernel is not None:
+                await _run_to_end(self._stop(kernel))
+            elif scratch is not None:
+                remove_scratch(scratch)
+            self._free_slots.append(slot)
             if isinstance(exc, (SandboxError, asyncio.CancelledError)) or not isinstance(exc, Exception):
                 raise
-            raise SandboxError(f"kernel did not start: {type(exc).__name__}: {exc}") from exc
+            raise SandboxError(f"kernel did not start ({cause}): {type(exc).__name__}: {exc}") from exc
         self.kernels_started += 1
         return kernel
+
+    def _failure_cause(self, exc: BaseException, kernel: Kernel | None, seconds: float) -> str:
+        """One of FAILURE_CAUSES for a start that raised `exc` after `seconds`."""
+        if isinstance(exc, TimeoutError) or seconds >= self.settings.startup_timeout_s:
+            return "timeout"  # jupyter_client's wait_for_ready says so with a RuntimeError
+        process = getattr(getattr(kernel.manager, "provisioner", None), "process", None) if kernel else None
+        return "died" if process is not None and process.poll() is not None else "error"
 
 
 @dataclass

@@ -4,6 +4,10 @@ Sets the fences up, then runs `python -m ipykernel_launcher -f CONNECTION_FILE`.
 connection file's directory. In namespace mode it runs as root inside the new namespaces made by
 `unshare`, as PID 1 of the new PID namespace, and does in this order:
 
+0. --cgroup-group, --cgroup-memory-mb: makes the kernel's cgroup (isolation.KernelCgroup: in its pool's
+   group, named after the scratch dir) with that memory limit and moves itself into it, so everything the
+   kernel starts is counted and capped there; first removes the empty cgroups of the pool's kernels that are
+   gone. Still in the server's cgroup when it looks, so it finds the same cgroup dirs as the server.
 1. --readonly-root: makes all mounts private, replaces directories the kernel uid may not enter on
    the way to the interpreter or the scratch dir (a 0700 /root) by a tmpfs with only those paths
    bound back, bind-mounts the scratch dir onto itself (so it stays writable), mounts a private tmpfs
@@ -26,8 +30,9 @@ with the parent-death signal SIGKILL (isolation._die_with_parent). With namespac
 gives PID 1 the same signal for unshare's death, step 4 keeps it across the change of uid, and PID 1's
 death ends the namespace: nothing survives a server that is SIGKILLed or crashes. In process mode the
 signal survives the exec into the kernel, which dies at once (ipykernel's parent poller, given the
-server's pid, would end it within a second too); processes the kernel started may outlive it. The
-scratch dirs of such a server stay on disk: nobody is left to remove them.
+server's pid, would end it within a second too); processes the kernel started may outlive it, and the
+scratch dirs and cgroups of such a server stay behind, until the next owner of its uid range ends and
+removes them (sandbox.ownership).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sandbox.isolation import kernel_env
+from sandbox.isolation import KernelCgroup, find_cgroups, kernel_env, sweep_cgroups
 
 # <sys/mount.h>, <sched.h>, <sys/prctl.h>
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -80,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     scratch = connection_file.parent
     if not scratch.is_dir():
         raise SystemExit(f"sandbox.launch: the connection file's directory {scratch} does not exist")
+    if args.cgroup_group is not None:  # first: also what the remount below would make read-only
+        _step("put the kernel in its own cgroup", _join_cgroup, scratch, args.cgroup_group, args.cgroup_memory_mb)
     if args.readonly_root:
         _step("make the file system read-only", _readonly_root, scratch, args.file_size_mb)
     if args.uid is not None:
@@ -151,6 +158,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--file-size-mb", type=int, required=True, help="RLIMIT_FSIZE in MiB")
     parser.add_argument("--open-files", type=int, required=True, help="RLIMIT_NOFILE")
     parser.add_argument("--uid", type=int, help="run the kernel as this uid and gid (needs root)")
+    parser.add_argument("--cgroup-group", help="run the kernel in its own cgroup, in this group (its pool's)")
+    parser.add_argument("--cgroup-memory-mb", type=int, default=4096, help="the memory limit of that cgroup, MiB")
     parser.add_argument(
         "--readonly-root", action="store_true", help="read-only file system outside the scratch dir (needs root)"
     )
@@ -266,6 +275,14 @@ def _expose(paths: list[str]) -> None:
 
 
 # --- process -----------------------------------------------------------------------------------------
+
+
+def _join_cgroup(scratch: Path, group: str, memory_mb: int) -> None:
+    cgroups = find_cgroups()
+    if isinstance(cgroups, str):
+        raise OSError(f"no cgroups here: {cgroups}")
+    sweep_cgroups(cgroups, group, scratch.parent)
+    KernelCgroup(cgroups, group, scratch.name).join(memory_mb * 2**20)
 
 
 def _set_rlimits(args: argparse.Namespace) -> None:

@@ -7,9 +7,12 @@ failure, and only at the transport level (connection errors, 429, 503).
 
 from __future__ import annotations
 
+import base64
+import binascii
+from pathlib import PurePosixPath
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Status = Literal["ok", "error", "timeout", "memory", "sandbox_error"]
 
@@ -53,3 +56,90 @@ class SessionCreated(BaseModel):
 
 class ErrorResponse(BaseModel):
     detail: str = Field(description="What was wrong with the request, or why it cannot be served now.")
+
+
+# SandboxFusion's `POST /run_code` (github.com/bytedance/SandboxFusion, sandbox/server/sandbox_api.py and
+# sandbox/runners/types.py), the call verl's sandbox_fusion utils and ReTool tools make. Field names, defaults
+# and statuses follow SandboxFusion; docs/sandbox.md says which fields this sandbox honours and which it refuses.
+# Unknown fields are ignored, as SandboxFusion's own model does, so newer clients keep working.
+
+
+class RunCodeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    code: str = Field(description="Python source, run like `python main.py`.", examples=['print("hello")'])
+    language: Literal["python", "python3"] = Field(
+        description="Only Python runs here; SandboxFusion's other languages get 422.", examples=["python"]
+    )
+    compile_timeout: float = Field(default=10, description="Accepted and ignored: Python is not compiled.")
+    run_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        description="Wall-clock limit in seconds; absent = the server's default; capped at the server's maximum.",
+        examples=[10],
+    )
+    memory_limit_MB: int = Field(  # noqa: N815 - SandboxFusion's field name
+        default=-1,
+        description="Accepted and not enforced per call: the server's per-kernel memory limit applies.",
+    )
+    stdin: str | None = Field(default=None, description="Text the code reads from sys.stdin and input().")
+    files: dict[str, str | None] = Field(
+        default_factory=dict,
+        description="Relative path -> base64 content, written into the working directory before the run; "
+        "entries with null content are skipped.",
+    )
+    fetch_files: list[str] = Field(
+        default_factory=list, description="Not supported: must be empty (no files are returned)."
+    )
+
+    @field_validator("files")
+    @classmethod
+    def _files_are_relative_and_base64(cls, files: dict[str, str | None]) -> dict[str, str | None]:
+        for path, content in files.items():
+            parts = PurePosixPath(path).parts
+            if not parts or path.startswith("/") or ".." in parts or path.endswith("/") or "\0" in path:
+                raise ValueError(
+                    f"files: {path!r} must be a relative path to a file inside the working directory (no '..')"
+                )
+            if content is not None:
+                try:
+                    base64.b64decode(content, validate=True)
+                except binascii.Error as exc:
+                    raise ValueError(f"files[{path!r}] is not valid base64: {exc}") from None
+        return files
+
+    @field_validator("fetch_files")
+    @classmethod
+    def _no_fetch_files(cls, fetch_files: list[str]) -> list[str]:
+        if fetch_files:
+            raise ValueError(
+                f"fetch_files is not supported by this sandbox (asked for {fetch_files[:3]}); send an empty list"
+            )
+        return fetch_files
+
+
+class CommandRunResult(BaseModel):
+    status: Literal["Finished", "Error", "TimeLimitExceeded"] = Field(
+        description="Finished: the program ended (see return_code); TimeLimitExceeded: stopped at run_timeout; "
+        "Error: the sandbox failed to run it."
+    )
+    execution_time: float | None = Field(default=None, description="Seconds the run took, queueing excluded.")
+    return_code: int | None = Field(
+        default=None,
+        description="Exit status as `python main.py` gives it (0, 1 for an uncaught exception, "
+        "sys.exit's code); null unless Finished.",
+    )
+    stdout: str | None = Field(default=None, description="Standard output (head and tail kept past the cap).")
+    stderr: str | None = Field(default=None, description="Standard error, with the traceback of an uncaught error.")
+
+
+class RunCodeResponse(BaseModel):
+    status: Literal["Success", "Failed", "SandboxError"] = Field(
+        description="Success: return code 0; Failed: the code failed (non-zero return code or time limit); "
+        "SandboxError: the sandbox failed, the code's outcome is unknown."
+    )
+    message: str = Field(default="", description="Why the sandbox failed, or a note such as a capped run_timeout.")
+    compile_result: CommandRunResult | None = Field(default=None, description="Always null: Python is not compiled.")
+    run_result: CommandRunResult | None = None
+    executor_pod_name: str | None = Field(default=None, description="Always null here (SandboxFusion's pod name).")
+    files: dict[str, str] = Field(default_factory=dict, description="Always empty: fetch_files is not supported.")

@@ -1,18 +1,25 @@
 """Kernel isolation with real processes and real Jupyter kernels (sandbox.isolation, sandbox.launch).
 
-Namespace tests need root and util-linux `unshare`; they are skipped elsewhere. Kernel uids are
-UID_BASE + 990.. so they never meet the kernels of a sandbox server running on the same machine.
+Namespace tests need root and util-linux `unshare`; they are skipped elsewhere. Kernel uids are just
+below UID_BASE, outside every pool's uid range (sandbox.ownership), so they never meet the kernels of a
+sandbox server running on the same machine, nor get killed by one reclaiming its range.
+
+The caps per call (CPU seconds, memory of all a kernel's processes, scratch quota) are tested through a
+real KernelPool and SessionStore, with and without cgroups.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 import warnings
@@ -37,13 +44,16 @@ from sandbox.isolation import (
     kill_uid_processes,
     make_scratch,
     remove_scratch,
+    scratch_bytes,
+    usable_cgroups,
 )
+from sandbox.kernels import KernelPool, PoolSettings, SessionStore, run_stateless
 
 SECRET = "STARE_SECRET_TOKEN"
 TEST_LIMITS = Limits(memory_mb=2048, processes=48, file_size_mb=8, open_files=200)
-NS_UID = UID_BASE + 990
-FORK_UID = UID_BASE + 991
-TERM_UID = UID_BASE + 992
+NS_UID = UID_BASE - 10
+FORK_UID = UID_BASE - 11
+TERM_UID = UID_BASE - 12
 
 
 def namespaces_or_skip() -> Isolation:
@@ -184,12 +194,20 @@ def host_listener() -> Iterator[int]:
 # --- values and validation ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field", ["memory_mb", "processes", "file_size_mb", "open_files"])
+@pytest.mark.parametrize("field", ["memory_mb", "processes", "file_size_mb", "open_files", "kernel_memory_mb"])
 def test_limits_reject_bad_values(field):
     with pytest.raises(ValueError, match=rf"Limits\.{field} must be an integer >= \d+.*got 0"):
         Limits(**{field: 0})
     with pytest.raises(ValueError, match=rf"Limits\.{field}.*got '64'"):
         Limits(**{field: "64"})
+
+
+def test_limits_of_the_caps_allow_zero_for_off_and_reject_negatives():
+    assert Limits(call_cpu_s=0, scratch_mb=0).call_cpu_s == 0
+    with pytest.raises(ValueError, match=r"Limits\.scratch_mb must be an integer >= 0; got -1"):
+        Limits(scratch_mb=-1)
+    with pytest.raises(ValueError, match=r"Limits\.call_cpu_s must be a number >= 0 \(0 = no cap\); got -1"):
+        Limits(call_cpu_s=-1)
 
 
 def test_detect_isolation_rejects_unknown_mode():
@@ -213,6 +231,8 @@ def test_namespaces_need_root(monkeypatch):
 def test_kill_uid_processes_refuses_root():
     with pytest.raises(ValueError, match="refusing"):
         kill_uid_processes(0)
+    with pytest.raises(ValueError, match="refusing"):
+        kill_uid_processes(range(0, 1000))
 
 
 def test_process_isolation_reports_only_what_it_enforces():
@@ -226,6 +246,8 @@ def test_process_isolation_reports_only_what_it_enforces():
         "rlimits": True,
         "scrubbed_env": True,
         "scratch_dir": True,
+        "cgroup": usable_cgroups().version if usable_cgroups() is not None else "",
+        "uid_base": 0,  # a pool sets its range's
     }
 
 
@@ -242,6 +264,14 @@ def test_kernel_argv_has_one_connection_file_placeholder():
     assert {"--net", "--pid", "--fork", "--mount-proc", f"--uid={UID_BASE + 3}", "--readonly-root"} <= set(argv)
     with pytest.raises(ValueError, match="needs a kernel uid > 0"):
         kernel_argv(namespaces, Limits(), uid=None)
+    # a kernel gets its own cgroup, with the memory cap of all its processes, where cgroups work and it has a
+    # pool, which holds a uid range (the group of its kernels' cgroups)
+    assert not any(a.startswith("--cgroup") for a in argv)
+    limits = Limits(kernel_memory_mb=300)
+    unpooled = dataclasses.replace(namespaces, cgroup="v1")
+    assert not any(a.startswith("--cgroup") for a in kernel_argv(unpooled, limits, 1))
+    pooled = dataclasses.replace(namespaces, cgroup="v1", uid_base=62000)
+    assert {"--cgroup-group=uids-62000", "--cgroup-memory-mb=300"} <= set(kernel_argv(pooled, limits, 62001))
 
 
 def test_kernel_env_takes_nothing_from_the_server(tmp_path, monkeypatch):
@@ -281,6 +311,19 @@ def test_scratch_is_private_and_removed_completely(tmp_path):
     assert not scratch.exists()
     assert stat.S_IMODE(outside.stat().st_mode) == 0o500 and (outside / "keep").read_text() == "keep"
     remove_scratch(scratch)  # a missing dir is fine
+    assert scratch.name.startswith(f"kernel-{os.getpid()}-")  # what a successor of a dead owner looks for
+
+
+def test_scratch_bytes_counts_each_file_once_and_follows_no_link(tmp_path):
+    scratch = make_scratch(tmp_path / "root", uid=None)
+    (scratch / "sub").mkdir()
+    (scratch / "sub" / "a").write_bytes(b"x" * 300_000)
+    os.link(scratch / "sub" / "a", scratch / "b")  # the same blocks under two names
+    big = tmp_path / "outside"
+    big.write_bytes(b"y" * 2_000_000)
+    (scratch / "link").symlink_to(big)
+    du = subprocess.run(["du", "-s", "-B1", str(scratch)], capture_output=True, text=True, check=True)
+    assert scratch_bytes(scratch) == int(du.stdout.split()[0]) < 2_000_000
 
 
 # --- process mode ------------------------------------------------------------------------------------
@@ -469,3 +512,177 @@ states = [open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] for p in o
         while pids_of_uid(TERM_UID) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert pids_of_uid(TERM_UID) == []
+
+
+# --- caps per call (a real pool) ---------------------------------------------------------------------
+
+CAP_CASES = [
+    pytest.param("process", True, id="process-cgroup"),
+    pytest.param("process", False, id="process-rlimits"),
+    pytest.param("namespaces", True, id="namespaces-cgroup"),
+]
+
+
+def caps_case_or_skip(isolation: str, cgroups: bool) -> None:
+    if isolation == "namespaces":
+        namespaces_or_skip()
+    if cgroups and usable_cgroups() is None:
+        from sandbox.isolation import cgroup_problem
+
+        pytest.skip(f"cgroups are not usable here: {cgroup_problem()}")
+
+
+def pool_settings(isolation: str, cgroups: bool, limits: Limits) -> PoolSettings:
+    return PoolSettings(pool_size=1, max_kernels=4, isolation=isolation, cgroups=cgroups, limits=limits)
+
+
+def with_pool(settings: PoolSettings, work):
+    """Run `await work(pool, sessions)` against a started pool, closed after; returns what it returns."""
+
+    async def go():
+        pool = KernelPool(settings)
+        await pool.start()
+        try:
+            return await work(pool, SessionStore(pool, max_sessions=4, idle_s=600))
+        finally:
+            await pool.close()
+
+    return asyncio.run(go())
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+# Two children spin while the kernel itself only waits: the CPU they use must count for the call.
+SPINNING_CHILDREN = """
+import os
+children = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        while True:
+            pass
+    children.append(pid)
+print(*children, flush=True)
+for pid in children:
+    os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("isolation", "cgroups"), CAP_CASES)
+def test_cpu_cap_stops_a_call_whose_processes_spin_and_the_session_goes_on(isolation, cgroups):
+    caps_case_or_skip(isolation, cgroups)
+    settings = PoolSettings(
+        pool_size=1, max_kernels=4, isolation=isolation, cgroups=cgroups, limits=Limits(call_cpu_s=2)
+    )
+
+    async def work(pool, sessions):
+        sid = await sessions.create()
+        assert (await sessions.execute(sid, "x = 1", 10)).status == "ok"
+        spun = await sessions.execute(sid, SPINNING_CHILDREN, 100)  # the wall-clock limit is far away
+        after = await sessions.execute(sid, "print(1 + 1)\nprint(x)", 10)
+        return spun, after, pool.caps()
+
+    spun, after, caps = with_pool(settings, work)
+    assert (spun.status, spun.error.name) == ("timeout", "CPULimit"), spun
+    assert "more than 2 CPU seconds" in spun.error.message and "limits.call_cpu_s" in spun.error.message
+    if isolation == "process":  # host pids: the spinning children were killed with the kernel
+        assert all(gone(int(pid)) for pid in spun.stdout.split())
+    # the session goes on, on a fresh kernel
+    assert after.stdout == "2\n" and after.error.name == "NameError"
+    measured_by = f"cgroup {usable_cgroups().version}" if cgroups else "session"
+    assert caps["call_cpu_s"] == {"by": measured_by, "seconds": 2}
+
+
+# Four children each hold 150 MiB (written, so resident), together twice the kernel's cap of 300 MiB.
+MEMORY_HOGS = """
+import os, time
+children = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            block = b"x" * ({mib} * 2**20)
+        except MemoryError:
+            os._exit(3)
+        time.sleep(100)
+        os._exit(0)
+    children.append(pid)
+print(*[os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("isolation", "cgroups"), CAP_CASES)
+def test_memory_of_all_processes_is_capped_without_harming_the_server(isolation, cgroups):
+    """With a cgroup the processes together are capped and the call stopped; with rlimits only (the fallback),
+    each process gets a MemoryError at its own address-space limit."""
+    caps_case_or_skip(isolation, cgroups)
+    settings = pool_settings(isolation, cgroups, Limits(memory_mb=1024, kernel_memory_mb=300))
+    mib = 150 if cgroups else 1100  # without a cgroup: more than one process's address space
+
+    async def work(pool, sessions):
+        sid = await sessions.create()
+        hog = await sessions.execute(sid, MEMORY_HOGS.format(mib=mib), 60)
+        after = await sessions.execute(sid, "print('alive')", 10)
+        stateless = await run_stateless(pool, "print(2 + 2)", 10)
+        return hog, after, stateless, pool.caps()
+
+    hog, after, stateless, caps = with_pool(settings, work)
+    if cgroups:
+        assert (hog.status, hog.error.name) == ("memory", "MemoryLimit"), hog
+        assert "300 MiB" in hog.error.message and "limits.kernel_memory_mb" in hog.error.message
+        assert caps["memory"]["kernel_mb"] == 300 and caps["memory"]["by"].startswith("cgroup")
+    else:
+        assert (hog.status, hog.stdout) == ("ok", "3 3 3 3\n"), hog  # each child: MemoryError
+        assert caps["memory"] == {
+            "by": "rlimit per process",
+            "kernel_mb": None,
+            "process_mb": 1024,
+            "no_cgroup_because": "pool.cgroups is off",
+        }
+    assert after.stdout == "alive\n" and stateless.stdout == "4\n"
+
+
+# Writes 1 MiB files at a pace, printing how many it wrote: a call not stopped would get to 200.
+SLOW_WRITER = """
+import os, time
+print(os.getcwd(), flush=True)
+for i in range(200):
+    with open(f"f{i}", "wb") as f:
+        f.write(b"x" * 2**20)
+    print(i, flush=True)
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("isolation", "cgroups"), CAP_CASES)
+def test_scratch_quota_stops_a_writer_and_frees_its_files(isolation, cgroups):
+    caps_case_or_skip(isolation, cgroups)
+    settings = PoolSettings(
+        pool_size=1, max_kernels=4, isolation=isolation, cgroups=cgroups, limits=Limits(scratch_mb=8)
+    )
+
+    async def work(pool, sessions):
+        sid = await sessions.create()
+        writer = await sessions.execute(sid, SLOW_WRITER, 100)
+        scratch = Path(writer.stdout.split()[0])
+        freed = not scratch.exists()  # the session's old kernel is replaced before the call returns
+        after = await sessions.execute(sid, "import os\nprint(sorted(os.listdir('.')))", 10)
+        # a stateless call that writes past the quota too fast to be caught while it runs: caught after it
+        burst = await run_stateless(pool, "for i in range(12):\n    open(f'g{i}', 'wb').write(b'y' * 2**20)", 30)
+        return writer, freed, after, burst
+
+    writer, freed, after, burst = with_pool(settings, work)
+    assert (writer.status, writer.error.name) == ("error", "ScratchQuota"), writer
+    assert "over the quota of 8 MiB" in writer.error.message and "limits.scratch_mb" in writer.error.message
+    assert int(writer.stdout.split()[-1]) < 199  # stopped while it wrote
+    assert freed
+    assert after.status == "ok" and "'f0'" not in after.stdout
+    assert (burst.status, burst.error.name) == ("error", "ScratchQuota"), burst

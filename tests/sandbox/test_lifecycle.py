@@ -1,4 +1,5 @@
 """Kernels end with their owner: the parent-death signal, KernelPool.close in every state, the exit fallback.
+And kernels are started ahead of demand: a bounded number at once, in the background, refilled after a burst.
 
 Real kernels and real processes. An owner process is SIGKILLed (no clean-up of its own runs) and its
 kernels must die by themselves; a pool closed while its kernels start, run or are held must leave no
@@ -18,12 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from procs import _stat, alive, cmdline, descendants, processes_tied_to  # tests/procs.py
 
-from sandbox.client import InProcessClient
+from sandbox.client import InProcessClient, SandboxClient, SandboxUnavailable
 from sandbox.isolation import _PDEATHSIG_EXEC, _setpriv_with_pdeathsig, detect_isolation
-from sandbox.kernels import KernelPool, PoolSettings, run_stateless
+from sandbox.kernels import KernelPool, KernelsBusy, PoolSettings, SandboxError, run_stateless
 
 REPO = Path(__file__).resolve().parents[2]
 DEATH_S = 5.0  # how long a kernel may take to die after its owner (measured: well under 0.1 s)
@@ -323,3 +325,175 @@ def test_a_cancellation_that_arrives_as_the_awaited_work_finishes_is_not_lost():
         return False, undone
 
     assert asyncio.run(go()) == (True, [7])
+
+
+# --- kernels started ahead of demand, a bounded number at once -----------------------------------------
+
+
+def settled(pool: KernelPool, ready: int) -> bool:
+    return pool.ready_count == ready and pool.starting_count == 0 and pool.alive_count == ready
+
+
+async def wait_settled(pool: KernelPool, ready: int) -> None:
+    """Until `ready` kernels are ready and nothing else is alive; the limit only stops a hung test."""
+    deadline = time.monotonic() + 180
+    while not settled(pool, ready):
+        assert time.monotonic() < deadline, (
+            f"ready {pool.ready_count}, starting {pool.starting_count}, alive {pool.alive_count}; wanted {ready} ready"
+        )
+        await asyncio.sleep(0.05)
+
+
+def count_starts(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts kernel starts under way in any KernelPool, by wrapping the one method that starts a kernel (a call
+    starting its own kernel would go through it too), so the pool's own peak counter is checked, not trusted."""
+    seen = {"now": 0, "peak": 0, "total": 0}
+    start = KernelPool._start_kernel
+
+    async def counted(self: KernelPool, *args: object) -> object:
+        seen["now"] += 1
+        seen["total"] += 1
+        seen["peak"] = max(seen["peak"], seen["now"])
+        try:
+            return await start(self, *args)
+        finally:
+            seen["now"] -= 1
+
+    monkeypatch.setattr(KernelPool, "_start_kernel", counted)
+    return seen
+
+
+@pytest.mark.slow
+def test_a_burst_beyond_the_pool_queues_for_kernels_started_at_most_max_starting_at_once(monkeypatch):
+    """Ten stateless calls on one warm kernel, each needing a fresh one (stateless_reuse 0): every call succeeds,
+    and no more than max_starting kernels ever start at once, although ten calls wanted one at the same time."""
+    starts = count_starts(monkeypatch)
+
+    async def go() -> tuple[list, KernelPool]:
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=16, max_starting=2, stateless_reuse=0))
+        await pool.start()
+        try:
+            await wait_settled(pool, 1)
+            results = await asyncio.gather(*(run_stateless(pool, f"print({i} * 3)", 30) for i in range(10)))
+        finally:
+            await pool.close()
+        return results, pool
+
+    results, pool = asyncio.run(go())
+    assert [(r.status, r.stdout) for r in results] == [("ok", f"{i * 3}\n") for i in range(10)]
+    assert starts["total"] >= 10  # the burst needed 9 starts beyond the warm kernel: the bound was tested
+    assert starts["peak"] == 2
+    assert pool.starting_peak == 2  # what /healthz reports as kernels_starting_peak
+    assert pool.kernels_started >= 10 and pool.start_failures == 0
+
+
+@pytest.mark.slow
+def test_the_pool_refills_to_its_target_in_the_background_after_a_burst():
+    """After a burst that used up every kernel (each retires after one run), the pool is back at pool_size ready
+    kernels with no further call, and no more than that: starts stop at the target."""
+
+    async def go() -> tuple[int, int]:
+        pool = KernelPool(PoolSettings(pool_size=3, max_kernels=16, max_starting=1, stateless_reuse=0))
+        await pool.start()
+        try:
+            await wait_settled(pool, 3)
+            results = await asyncio.gather(*(run_stateless(pool, "print('x')", 30) for _ in range(6)))
+            assert [r.stdout for r in results] == ["x\n"] * 6
+            await wait_settled(pool, 3)
+            return pool.ready_count, pool.kernels_started
+        finally:
+            await pool.close()
+
+    ready, started = asyncio.run(go())
+    assert ready == 3
+    assert started == 3 + 6  # the first 3, and one successor per retired kernel: none started beyond the target
+
+
+def test_calls_waiting_for_a_kernel_get_an_error_at_once_when_the_pool_closes():
+    async def go() -> BaseException:
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=1, queue_wait_s=5))
+        await pool.start()
+        held = await pool.acquire()  # the only kernel there may be
+        waiting = asyncio.ensure_future(pool.acquire())
+        while pool.waiting_count < 1:
+            await asyncio.sleep(0.01)
+        await pool.close()
+        assert held.closing
+        with pytest.raises(SandboxError) as info:
+            await waiting
+        return info.value
+
+    error = asyncio.run(go())
+    assert not isinstance(error, KernelsBusy)  # not left to run out its queue_wait_s
+    assert "closed while this call waited" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("settings", "cause"),
+    [
+        ({"warmup_code": "raise ValueError('no warm-up')"}, "warmup"),
+        ({"warmup_code": "import os; os._exit(3)"}, "died"),
+        ({"startup_timeout_s": 0.01}, "timeout"),
+    ],
+)
+def test_failed_kernel_starts_are_counted_by_cause(private_tmp, settings, cause):
+    async def go() -> KernelPool:
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=2, **settings))
+        await pool.start()
+        try:
+            deadline = time.monotonic() + 120
+            while pool.start_failures < 1:
+                assert time.monotonic() < deadline, "no kernel start failed"
+                await asyncio.sleep(0.05)
+        finally:
+            await pool.close()
+        return pool
+
+    pool = asyncio.run(go())
+    assert set(pool.start_failures_by_cause) == {cause}
+    assert pool.kernels_started == 0 and pool.ready_count == 0
+    assert_nothing_left(private_tmp)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [({"max_starting": -1}, "max_starting must be >= 0"), ({"queue_wait_s": 0}, "queue_wait_s must be > 0")],
+)
+def test_bad_supply_settings_are_refused_by_name(settings, message):
+    with pytest.raises(ValueError, match=message):
+        PoolSettings(**settings)
+
+
+def test_a_stateless_call_that_gets_no_kernel_in_time_gets_503_with_retry_after_and_clients_retry():
+    """The server's only kernel is held by a session: a stateless call waits queue_wait_s for a kernel, then gets
+    503 with Retry-After (not a sandbox_error result, not a hang); the client retries such answers, and once
+    the session is closed its call runs. /healthz and /metrics count the refusals."""
+    from .test_service import Server  # the real server on a free loopback port
+
+    srv = Server("--pool-size", "1", "--max-kernels", "1", "--max-starting", "1", "--queue-wait-s", "1").start()
+    try:
+        deadline = time.monotonic() + 180  # only stops a hung test: a kernel start is slow on a busy machine
+        while httpx.get(f"{srv.url}/healthz").json()["pool_ready"] < 1:
+            assert time.monotonic() < deadline, "the server's kernel never became ready"
+            time.sleep(0.1)
+        with SandboxClient(srv.url, retries=2, backoff_s=0.01) as client:
+            session = client.create_session()  # holds the only kernel there may be
+            refused = httpx.post(f"{srv.url}/v1/execute", json={"code": "print(1)"}, timeout=60)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert "queue_wait_s=1" in refused.json()["detail"]
+            health = client.health()
+            assert (health["kernel_waits_refused"], health["kernel_waiting"], health["max_starting"]) == (1, 0, 1)
+            with pytest.raises(SandboxUnavailable, match="HTTP 503"):
+                client.execute("print(2)")
+            refusals = client.health()["kernel_waits_refused"]
+            assert refusals >= 1 + 2  # the client tried again after a 503
+            metrics = httpx.get(f"{srv.url}/metrics").text
+            assert f"sandbox_kernel_waits_refused_total {refusals:.1f}" in metrics
+            assert f"sandbox_kernel_wait_seconds_count {refusals + 1:.1f}" in metrics  # and the session's wait
+            assert 'sandbox_kernel_start_failures_total{cause="timeout"} 0.0' in metrics
+            assert "sandbox_kernel_starts_total 1.0" in metrics and "sandbox_kernels_starting 0.0" in metrics
+            client.close_session(session)
+        with SandboxClient(srv.url, retries=30, backoff_s=0.2) as client:  # the kernel start may take a while here
+            assert client.execute("print(3)").stdout == "3\n"
+    finally:
+        srv.stop()
