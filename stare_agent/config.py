@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from sandbox.client import check_url
+from sandbox.client import check_url, check_urls
 from sandbox.configfile import ConfigError, load_config
 from stare_agent.agent import AgentConfig
 from stare_agent.stare import StareConfig
@@ -191,7 +191,10 @@ class SandboxConfig:
     """Where tool calls run: kernels inside this process (default) or a sandbox service."""
 
     url: str = ""
-    """Base URL of a running `stare-agent sandbox serve`; empty = in-process kernels."""
+    """Base URL of a running `stare-agent sandbox serve`; empty (and no urls) = in-process kernels."""
+    urls: list[str] = field(default_factory=list)
+    """Several services behind one client: a session stays on the server that made it, stateless calls go to the
+    least busy one, a failing server is skipped until its /healthz answers again. Use url or urls, not both."""
     token: str = ""
     """Bearer token of the service; empty = $SANDBOX_TOKEN if set."""
     pool_size: int = 4
@@ -200,8 +203,12 @@ class SandboxConfig:
     """In-process: kernels alive at once. Stateful episodes hold one each from their first call to their end."""
 
     def __post_init__(self) -> None:
+        if self.url and self.urls:
+            raise ValueError("set sandbox.url (one server) or sandbox.urls (several), not both")
         if self.url:
             check_url(self.url)
+        if self.urls:
+            self.urls = list(check_urls(self.urls))
         if not 0 <= self.pool_size <= self.max_kernels:
             raise ValueError(f"pool_size must be in [0, max_kernels={self.max_kernels}]; got {self.pool_size}")
 

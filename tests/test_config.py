@@ -189,3 +189,17 @@ def test_a_renamed_key_names_its_new_name(tmp_path):
     old.write_text("steps: 3\nstare:\n  w: 1.2\n  schedule: fixed\n")
     with pytest.raises(ConfigError, match=r"old.yaml:4: " + renamed):
         load_config(RLConfig, old)
+
+
+def test_sandbox_urls_reach_the_client_and_exclude_url():
+    from stare_agent.backends.local.common import make_client
+
+    config = load_config(RLConfig, overrides=["sandbox.urls=[http://127.0.0.1:8765,http://127.0.0.1:8766/]"])
+    client = make_client(config.sandbox)
+    assert client.urls == ("http://127.0.0.1:8765", "http://127.0.0.1:8766")
+    one = make_client(load_config(RLConfig, overrides=["sandbox.url=http://127.0.0.1:8765"]).sandbox)
+    assert one.urls == ("http://127.0.0.1:8765",)
+    with pytest.raises(ConfigError, match="sandbox.url .one server. or sandbox.urls"):
+        load_config(RLConfig, overrides=["sandbox.url=http://127.0.0.1:8765", "sandbox.urls=[http://127.0.0.1:8766]"])
+    with pytest.raises(ConfigError, match=r"\[1\].*listed twice"):
+        load_config(RLConfig, overrides=["sandbox.urls=[http://127.0.0.1:8765,http://127.0.0.1:8765]"])

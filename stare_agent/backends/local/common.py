@@ -74,15 +74,17 @@ def next_token_logits(model: Any, ids: torch.Tensor, attention: torch.Tensor) ->
 
 
 def make_client(config: SandboxConfig, concurrent_episodes: int = 0) -> Any:
-    """The sandbox client: a service at config.url, else kernels in this process (call `start()` first).
+    """The sandbox client: the service(s) at config.urls or config.url, else kernels in this process (call
+    `start()` first).
 
     In-process, max_kernels is raised to at least concurrent_episodes + pool_size: in stateful mode every
     live episode holds a kernel, and running out would turn into sandbox errors.
     """
-    if config.url:
+    servers = config.urls or ([config.url] if config.url else [])
+    if servers:
         from sandbox.client import AsyncSandboxClient
 
-        return AsyncSandboxClient(config.url, config.token or os.environ.get("SANDBOX_TOKEN"))
+        return AsyncSandboxClient(servers, config.token or os.environ.get("SANDBOX_TOKEN"))
     from sandbox.client import InProcessClient
     from sandbox.kernels import PoolSettings
 

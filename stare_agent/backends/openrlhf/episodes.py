@@ -223,10 +223,10 @@ class ReToolExecutor:
                     await client.start()
                 except SandboxUnavailable as exc:
                     # Not a per-episode failure: dropping every group would silently consume the prompt set.
-                    where = self.config.sandbox.url or "in-process kernels"
+                    where = ", ".join(self.config.sandbox.urls) or self.config.sandbox.url or "in-process kernels"
                     raise RuntimeError(
                         f"the sandbox ({where}) does not answer: {exc}. Start it (`stare-agent sandbox serve`) "
-                        "and check sandbox.url and sandbox.token"
+                        "and check sandbox.url (or sandbox.urls) and sandbox.token"
                     ) from exc
                 self._client = client
             return self._client
