@@ -21,7 +21,7 @@ from typing import get_args
 from sandbox.app import ServerSettings, create_app
 from sandbox.configfile import ConfigError, load_config
 from sandbox.isolation import IsolationMode, detect_isolation
-from sandbox.ownership import RangeTaken, check_claimable
+from sandbox.ownership import RangeTaken, StateDirError, check_claimable
 
 SERVER_KEEPALIVE_S = 60.0
 """Seconds an idle HTTP connection stays open on the server; several times the clients' KEEPALIVE_S."""
@@ -122,12 +122,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sandbox") -> 
         if settings.pool.isolation == "process":
             raise SystemExit("sandbox: --require-isolation contradicts --isolation process")
         try:
-            detect_isolation("namespaces")
+            detect_isolation("namespaces", cgroups=False)
         except RuntimeError as exc:
             raise SystemExit(f"sandbox: --require-isolation: {exc}") from None
     try:  # said here in one line; the pool's own claim would end the server with a traceback
         check_claimable(settings.pool.uid_base, settings.pool.max_kernels)
-    except (RangeTaken, ValueError) as exc:
+    except (RangeTaken, StateDirError, ValueError) as exc:
         raise SystemExit(f"sandbox: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn

@@ -224,9 +224,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
             try:
                 result = await call()
             except SandboxError as exc:
-                if isinstance(exc, KernelsBusy) and kind != "session":
-                    # a stateless call got no kernel within queue_wait_s, so its code never ran: 503 with
-                    # Retry-After tells the client to back off and send it again (sandbox/client.py does)
+                if isinstance(exc, KernelsBusy):
+                    # the call got no kernel within queue_wait_s (stateless, or a session whose kernel died),
+                    # so its code never ran: 503 with Retry-After tells the client to back off and send it again
                     raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
                 result = RunResult(
                     status="sandbox_error",

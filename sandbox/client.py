@@ -1,8 +1,8 @@
 """Clients of the sandbox: over HTTP (sync and async) and in-process, with one interface.
 
 Retries: a call is retried with exponential backoff only when it certainly did not run -- the server
-answered 429/503 (overloaded, no kernel), or, for a stateless call or a new session, the connection
-could not be made. A user-code failure is a normal RunResult and is never retried; neither is a call
+answered 429/503 (overloaded, no kernel), or the connection could not be made (also for a call in a
+session: nothing was sent). A user-code failure is a normal RunResult and is never retried; neither is a call
 whose connection broke after it was sent (it may have run, and a stateful session must not run code
 twice). Such failures raise `SandboxUnavailable`, or, for a call in a session, come back as a RunResult
 with status `sandbox_error`; callers treat both as an infrastructure failure, not a wrong answer.
@@ -21,9 +21,12 @@ Several servers: the HTTP clients take one URL or a list of them (same token for
   is up, every call probes them all, paced by its own retry backoff.
 - A stateless call or session creation refused, or not connected, by one server (nothing ran) goes on
   at once to another server that is up; when none is left it backs off and tries again, `retries` times.
-- A session whose server cannot be reached gets a RunResult with status `sandbox_error` naming the
-  server: its variables are gone, and the client never replays it elsewhere (the caller may start a new
-  session). A session on a server that restarted gets SessionNotFound (404), as with one server.
+- A session call whose server cannot be connected to is retried there with backoff, `retries` times
+  (nothing was sent). If it still cannot, or the call broke after it was sent, it gets a RunResult with
+  status `sandbox_error` naming the server: its variables are gone, and the client never replays it
+  elsewhere (the caller may start a new session). With several servers, later calls of sessions on a
+  server known to be unreachable get that at once, until the server answers a probe again. A session on a
+  server that restarted gets SessionNotFound (404), as with one server.
 The sync client may be shared between threads (the bookkeeping is under a lock; httpx.Client is
 thread-safe). InProcessClient has no servers: one pool in this process.
 """
@@ -134,7 +137,8 @@ class _Server:
     """Pause before the next probe, should this server go down; doubles while it stays down."""
     up: bool = True
     unreachable: bool = False
-    """Down because it could not be connected to: a session call there fails at once, until the next probe."""
+    """Down because it could not be connected to: with several servers, a session call there fails at once, until
+    the next probe."""
     retry_at: float = 0.0
     """When down: monotonic time of the next probe."""
     probing: bool = False
@@ -333,7 +337,7 @@ class _Common:
         if len(self.urls) == 1:
             return self._servers.list[0], session_id
         index, sep, server_id = session_id.partition("-")
-        if not (sep and index.isdigit() and int(index) < len(self.urls) and server_id):
+        if not (sep and index.isascii() and index.isdigit() and int(index) < len(self.urls) and server_id):
             raise SessionNotFound(
                 f"session id {session_id!r} was not made by this client: with {len(self.urls)} servers an id "
                 f"reads '<server index>-<id>', the index below {len(self.urls)}"
@@ -490,19 +494,23 @@ class SandboxClient(_Common):
             last = response
 
     def _sticky(self, server: _Server, method: str, path: str, *, timeout_s: float | None = None, **kw: Any):
-        """A call that must go to `server` (a session's). Raises _ServerLost when that server failed."""
-        if (error := self._servers.lost(server)) is not None:
-            raise _ServerLost(error)
+        """A call that must go to `server` (a session's). Raises _ServerLost when that server failed: the call broke
+        after sending, or no connection was made in `retries + 1` tries. Those are backed off like refusals, since
+        nothing was sent: a server restarted on its port meanwhile answers (SessionNotFound, as it should)."""
+        if len(self.urls) > 1 and (error := self._servers.lost(server)) is not None:
+            raise _ServerLost(error)  # known lost: fail at once rather than hold up a trainer with other servers
         for attempt in range(self.retries + 1):
             self._servers.begin(server)
             response, error = self._send(server, method, path, timeout_s, **kw)
             outcome, message = self._servers.settle(server, response, error, method, path)
             if outcome == "ok":
                 return _check(response, f"{server.url}{path}")
-            if outcome != "refused":
+            if outcome == "failed":
                 raise _ServerLost(message) from error
             if attempt < self.retries:
                 time.sleep(_delay(attempt, self.backoff_s, response))
+        if outcome == "unreachable":
+            raise _ServerLost(message) from error
         raise SandboxUnavailable(message)
 
     def health(self) -> dict[str, Any]:
@@ -540,12 +548,12 @@ class SandboxClient(_Common):
         return RunResult.model_validate(response.json())
 
     def close_session(self, session_id: str) -> None:
-        server, server_id = self._session_of(session_id)
-        self._servers.opened(server, -1)
         try:
+            server, server_id = self._session_of(session_id)
+            self._servers.opened(server, -1)
             self._sticky(server, "DELETE", f"/v1/sessions/{server_id}")
         except SessionNotFound:
-            pass  # already gone (expired, or the server restarted): nothing to close
+            pass  # already gone (expired, the server restarted, or never made here): nothing to close
 
     def close(self) -> None:
         self._http.close()
@@ -633,7 +641,7 @@ class AsyncSandboxClient(_Common):
             last = response
 
     async def _sticky(self, server: _Server, method: str, path: str, *, timeout_s: float | None = None, **kw: Any):
-        if (error := self._servers.lost(server)) is not None:
+        if len(self.urls) > 1 and (error := self._servers.lost(server)) is not None:
             raise _ServerLost(error)
         for attempt in range(self.retries + 1):
             self._servers.begin(server)
@@ -641,10 +649,12 @@ class AsyncSandboxClient(_Common):
             outcome, message = self._servers.settle(server, response, error, method, path)
             if outcome == "ok":
                 return _check(response, f"{server.url}{path}")
-            if outcome != "refused":
+            if outcome == "failed":
                 raise _ServerLost(message) from error
             if attempt < self.retries:
                 await asyncio.sleep(_delay(attempt, self.backoff_s, response))
+        if outcome == "unreachable":
+            raise _ServerLost(message) from error
         raise SandboxUnavailable(message)
 
     async def health(self) -> dict[str, Any]:
@@ -680,9 +690,9 @@ class AsyncSandboxClient(_Common):
         return RunResult.model_validate(response.json())
 
     async def close_session(self, session_id: str) -> None:
-        server, server_id = self._session_of(session_id)
-        self._servers.opened(server, -1)
         try:
+            server, server_id = self._session_of(session_id)
+            self._servers.opened(server, -1)
             await self._sticky(server, "DELETE", f"/v1/sessions/{server_id}")
         except SessionNotFound:
             pass

@@ -105,6 +105,7 @@ __all__ = [
     "make_scratch",
     "prepare_cgroups",
     "range_group",
+    "remove_cgroup_dirs",
     "remove_scratch",
     "scratch_bytes",
     "session_cpu_seconds",
@@ -200,15 +201,16 @@ _NAMESPACES = Isolation("namespaces", True, True, True, True, True, True, True)
 _PROCESS = Isolation("process", False, False, False, False, True, True, True)
 
 
-def detect_isolation(requested: IsolationMode = "auto") -> Isolation:
+def detect_isolation(requested: IsolationMode = "auto", cgroups: bool = True) -> Isolation:
     """The isolation kernels will get: "process" as asked, "namespaces" if the probe works (else
     RuntimeError saying why), "auto" the best that works here; with cgroups where they work (see
-    `cgroup_problem`). The probes run once per process."""
+    `cgroup_problem`), unless `cgroups` is False (then the cgroup tree is not touched). The probes run once
+    per process."""
     if requested not in _MODES:
         raise ValueError(f"isolation must be one of {', '.join(_MODES)}; got {requested!r}")
     _setpriv_with_pdeathsig()  # probed here, once, so that kernel_argv never waits for it in an event loop
-    cgroups = usable_cgroups()
-    cgroup = cgroups.version if cgroups is not None else ""
+    found = usable_cgroups() if cgroups else None
+    cgroup = found.version if found is not None else ""
     if requested == "process":
         return dataclasses.replace(_PROCESS, cgroup=cgroup)
     problem = _namespace_problem()
@@ -665,8 +667,9 @@ class KernelCgroup:
     def create(self, memory_bytes: int) -> None:
         """Make the cgroup with its memory limit (swap included: no swap for the kernel where the host can tell)."""
         for directory in self.dirs:
-            directory.parent.mkdir(exist_ok=True)
+            directory.parent.mkdir(parents=True, exist_ok=True)  # CGROUP_DIR too: a pool closing removes it if empty
             if self.cgroups.version == "v2":
+                _delegate(directory.parent.parent)
                 _delegate(directory.parent)
             directory.mkdir(exist_ok=True)
         memory = self.dirs[0]
@@ -749,13 +752,12 @@ def usable_cgroups() -> Cgroups | None:
 class KernelMeter:
     """What one kernel uses, all its processes together: CPU seconds, OOM kills, scratch bytes; and killing them.
 
-    By the kernel's cgroup (in `group`, its pool's) where it has one; else CPU time is that of the processes in
-    the kernel's session (`session`: the pid of its first process, which jupyter_client makes a session leader)
-    and nothing counts OOM kills.
+    By the kernel's cgroup (in `group` of `cgroups`, its pool's) where it has one; else CPU time is that of the
+    processes in the kernel's session (`session`: the pid of its first process, which jupyter_client makes a
+    session leader) and nothing counts OOM kills.
     """
 
-    def __init__(self, scratch: Path, session: int | None, group: str):
-        cgroups = usable_cgroups()
+    def __init__(self, scratch: Path, session: int | None, group: str, cgroups: Cgroups | None):
         cgroup = KernelCgroup(cgroups, group, Path(scratch).name) if cgroups is not None else None
         self.cgroup = cgroup if cgroup is not None and cgroup.exists() else None
         self.scratch = Path(scratch)
@@ -804,3 +806,10 @@ def sweep_cgroups(cgroups: Cgroups, group: str, scratch_root: Path | None = None
         for directory in cgroups.dirs:
             _rmdir_when_empty(directory / group)
     return killed
+
+
+def remove_cgroup_dirs(cgroups: Cgroups) -> None:
+    """Remove CGROUP_DIR where no other pool of this cgroup has kernel cgroups in it (then it is busy: kept)."""
+    for directory in cgroups.dirs:
+        with contextlib.suppress(OSError):
+            directory.rmdir()

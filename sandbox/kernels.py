@@ -54,6 +54,7 @@ from sandbox.isolation import (
     make_scratch,
     prepare_cgroups,
     range_group,
+    remove_cgroup_dirs,
     remove_scratch,
     scratch_prefix,
     sweep_cgroups,
@@ -95,7 +96,7 @@ class PoolSettings:
     """How kernels are started, limited and reused."""
 
     pool_size: int = 4
-    """Warm kernels kept ready (numpy and sympy imported)."""
+    """Warm kernels kept ready (numpy and sympy imported); kernels started for a burst beyond it retire after it."""
     max_kernels: int = 64
     """Kernels alive at once: sessions plus the pool. Also the number of distinct kernel uids."""
     isolation: IsolationMode = "auto"
@@ -224,7 +225,9 @@ class _CallCaps:
     async def begin(cls, kernel: Kernel, timeout_s: float, limits: Limits) -> _CallCaps:
         process = getattr(kernel.manager.provisioner, "process", None)  # a Popen: the kernel's session leader
         first_uid = UID_BASE + kernel.slot - kernel.slot % UID_RANGE_SIZE  # of the pool's range (KernelPool._start)
-        meter = KernelMeter(kernel.scratch, process.pid if process is not None else None, range_group(first_uid))
+        meter = KernelMeter(
+            kernel.scratch, process.pid if process is not None else None, range_group(first_uid), kernel.cgroups
+        )
         # Its processes cannot use more CPU than the wall time times the cores: then the timeout comes first,
         # and the CPU time (a scan of /proc without a cgroup) is never read.
         cpu_cap = limits.call_cpu_s
@@ -279,8 +282,9 @@ class _CallCaps:
 class Kernel:
     """One kernel process, its client and its scratch directory."""
 
-    def __init__(self, manager: AsyncKernelManager, scratch: Path, slot: int):
+    def __init__(self, manager: AsyncKernelManager, scratch: Path, slot: int, cgroups: Cgroups | None = None):
         self.manager = manager
+        self.cgroups = cgroups  # its pool's kernel cgroups, if kernels get one
         self.client = manager.client(context=manager.context)
         self.scratch = scratch
         self.slot = slot
@@ -290,16 +294,18 @@ class Kernel:
         self.closing = False  # shutdown() was called
         self._stopping = asyncio.Lock()
 
-    async def execute(self, code: str, timeout_s: float, settings: PoolSettings) -> RunResult:
+    async def execute(self, code: str, timeout_s: float, settings: PoolSettings, *, user: bool = True) -> RunResult:
         """Run `code`; never raises for anything the code does.
 
         The per-call caps (settings.limits: call_cpu_s, kernel_memory_mb through the kernel's cgroup, scratch_mb)
         are checked every CAP_CHECK_S while the code runs and, but CPU, once after; a call over one is stopped and
-        the kernel killed (the caller replaces it, which also removes its files).
+        the kernel killed (the caller replaces it, which also removes its files). Our own code (`user=False`:
+        warm-up, reset) is held to the memory cap only: without cgroups, reading CPU time scans all of /proc.
         """
         started = time.perf_counter()
         stdout, stderr = _Capture(settings.output_limit_chars), _Capture(settings.output_limit_chars)
-        caps = await _CallCaps.begin(self, timeout_s, settings.limits)
+        limits = settings.limits if user else dataclasses.replace(settings.limits, call_cpu_s=0.0, scratch_mb=0)
+        caps = await _CallCaps.begin(self, timeout_s, limits)
         # stop_on_error=False: otherwise ipykernel may answer "aborted" to the call after an error or interrupt.
         msg_id = self.client.execute(code, silent=False, store_history=False, allow_stdin=False, stop_on_error=False)
         error: ErrorInfo | None = None
@@ -493,14 +499,13 @@ class KernelPool:
             raise
 
     async def _start(self) -> None:
-        isolation = await asyncio.to_thread(detect_isolation, self.settings.isolation)
+        isolation = await asyncio.to_thread(detect_isolation, self.settings.isolation, self.settings.cgroups)
         # The pool's own uid range: its slots are those uids less UID_BASE. What a previous owner of the range
         # left when it died without its clean-up is ended and removed before any kernel starts.
         self._owner = await asyncio.to_thread(claim_uid_range, self.settings.uid_base, self.settings.max_kernels)
         atexit.register(self._remove_leftovers)
-        cgroup = isolation.cgroup if self.settings.cgroups else ""
-        self.isolation = dataclasses.replace(isolation, cgroup=cgroup, uid_base=self._owner.first)
-        self._cgroups = usable_cgroups() if cgroup else None
+        self.isolation = dataclasses.replace(isolation, uid_base=self._owner.first)
+        self._cgroups = usable_cgroups() if isolation.cgroup else None
         reclaimed = await asyncio.to_thread(self._owner.reclaim)
         if self._owner.previous:
             log.warning(
@@ -621,13 +626,17 @@ class KernelPool:
         return waiter.done() and not waiter.cancelled() and waiter.exception() is None
 
     def _hand(self, kernel: Kernel) -> None:
-        """A kernel that is ready goes to the call that has waited longest, else joins the ready ones."""
+        """A kernel that is ready goes to the call that has waited longest, else joins the ready ones, else (pool_size
+        are ready) retires: a burst starts a kernel per waiting call, and without this they all came back to stay."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(kernel)
                 return
-        self._ready.append(kernel)
+        if len(self._ready) >= self.settings.pool_size:
+            self._spawn(self.discard(kernel))
+        else:
+            self._ready.append(kernel)
 
     def _record_wait(self, seconds: float) -> None:
         self.wait_counts[bisect.bisect_left(self.WAIT_BUCKETS_S, seconds)] += 1
@@ -648,7 +657,7 @@ class KernelPool:
         try:
             reset_ok = False
             if returning:
-                reset = await kernel.execute(RESET_CODE + self.settings.warmup_code, 30.0, self.settings)
+                reset = await kernel.execute(RESET_CODE + self.settings.warmup_code, 30.0, self.settings, user=False)
                 reset_ok = reset.status == "ok" and not kernel.dead and not self._closed
         except BaseException:
             self._returning -= returning
@@ -705,17 +714,22 @@ class KernelPool:
 
     def _release(self) -> None:
         """Once the kernels are stopped: end what they started and left running, remove the scratch root and the
-        kernels' cgroups, and give up the uid range."""
-        if self._owner is not None and self._cgroups is not None:
-            sweep_cgroups(self._cgroups, range_group(self._owner.first))
-        if self._owns_root and self._root is not None:
-            # without cgroups, what process-mode kernels started is found by its HOME: a scratch dir of this root,
-            # which is this pool's alone (a shared scratch_root could hold another live pool's kernels)
-            if self.isolation is not None and not self.isolation.unprivileged_user:
-                kill_processes_with_home(f"{self._root}/{scratch_prefix(os.getpid())}")
-            shutil.rmtree(self._root, ignore_errors=True)
-        if self._owner is not None:
-            self._owner.release()
+        kernels' cgroups, and give up the uid range (also when a step before fails)."""
+        try:
+            if self._owner is not None and self._cgroups is not None:
+                sweep_cgroups(self._cgroups, range_group(self._owner.first))
+                remove_cgroup_dirs(self._cgroups)
+        finally:
+            try:
+                if self._owns_root and self._root is not None:
+                    # without cgroups, what process-mode kernels started is found by its HOME: a scratch dir of
+                    # this root, which is this pool's alone (a shared scratch_root could hold another pool's kernels)
+                    if self.isolation is not None and not self.isolation.unprivileged_user:
+                        kill_processes_with_home(f"{self._root}/{scratch_prefix(os.getpid())}")
+                    shutil.rmtree(self._root, ignore_errors=True)
+            finally:
+                if self._owner is not None:
+                    self._owner.release()
 
     async def _stop(self, kernel: Kernel) -> None:
         await kernel.shutdown()
@@ -787,7 +801,7 @@ class KernelPool:
             manager.transport = "ipc"
             manager.ip = str(scratch / "ipc")
             manager.connection_file = str(scratch / "kernel.json")
-            kernel = Kernel(manager, scratch, slot)
+            kernel = Kernel(manager, scratch, slot, self._cgroups)
             self._kernels.add(kernel)
             # Spread retirements: with one shared limit, kernels used in turn all retire in the same second and
             # every waiting call waits for a start (docs/sandbox.md, stateless at concurrency 32).
@@ -800,7 +814,9 @@ class KernelPool:
             # runs out of them ("Too many open files"), which a kernel stopped right after its start hit.
             kernel.client.start_channels(hb=False)
             await kernel.client.wait_for_ready(timeout=self.settings.startup_timeout_s)
-            warm = await kernel.execute(self.settings.warmup_code, self.settings.startup_timeout_s, self.settings)
+            warm = await kernel.execute(
+                self.settings.warmup_code, self.settings.startup_timeout_s, self.settings, user=False
+            )
             if warm.status != "ok":
                 cause = "timeout" if warm.status == "timeout" else "died" if kernel.dead else "warmup"
                 raise SandboxError(f"warm-up failed: {warm.error.message if warm.error else warm.status}")
@@ -831,7 +847,8 @@ class KernelPool:
 
 @dataclass
 class Session:
-    kernel: Kernel
+    kernel: Kernel | None
+    """None after its kernel died: the next call takes a new one (its slot may be the only one: max_kernels)."""
     last_used: float
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -863,10 +880,14 @@ class SessionStore:
         session = self._sessions[session_id]
         async with session.lock:
             session.last_used = time.monotonic()
+            if session.kernel is None:  # KernelsBusy here: the code has not run, the call may be retried
+                session.kernel = await self.pool.acquire()
             result = await session.kernel.execute(code, timeout_s, self.pool.settings)
-            if session.kernel.dead:  # the next call runs on a fresh kernel
-                old, session.kernel = session.kernel, await self.pool.acquire()
-                await self.pool.discard(old)
+            if session.kernel.dead:
+                # Its slot is freed first and a new kernel taken only by the next call: acquiring one here could
+                # wait for the very slot the dead kernel holds (max_kernels) and lose this call's result.
+                dead, session.kernel = session.kernel, None
+                await self.pool.discard(dead)
             session.last_used = time.monotonic()
             return result
 
@@ -875,7 +896,8 @@ class SessionStore:
         if session is None:
             return False
         async with session.lock:
-            await self.pool.discard(session.kernel)
+            if session.kernel is not None:
+                await self.pool.discard(session.kernel)
         return True
 
     async def expire(self) -> int:

@@ -8,9 +8,11 @@ pool may kill whatever runs under its own range's uids. Process-mode pools claim
 what they leave behind.
 
 Ranges start at UID_BASE and step by RANGE_SIZE up to 99999 (below the usual /etc/subuid ranges), all but
-65000-65999, which holds nobody (65534) and the invalid 65535. `uid_base=0` takes the first free range; an
-explicit `uid_base` that another pool holds is refused with an error naming the range and the holder's pid:
-a server must not run its kernels under other uids than it was told (a deployment may rely on them).
+65000-65999, which holds nobody (65534) and the invalid 65535, and any range holding the uid of a user the
+host knows (`pwd.getpwall()`): kernels never run as a real user, and a reclaim never kills a real user's
+processes. `uid_base=0` takes the first free range; an explicit `uid_base` that another pool holds (or that
+holds a user's uid) is refused with an error naming the range and the holder's pid (or the user): a server
+must not run its kernels under other uids than it was told (a deployment may rely on them).
 
 The lock file records what its owner leaves behind if it dies without its clean-up (SIGKILL, a crash): its
 pid, its scratch root and its cgroups. The next pool to claim the range reclaims it (`Owner.reclaim`) before
@@ -19,8 +21,10 @@ predecessor's kernel cgroups, and those of its own uid whose HOME is one of the 
 (what process-mode kernels started); then it removes the predecessor's scratch dirs (its whole scratch root
 if the predecessor made that root) and its kernel cgroups. A clean close removes the lock file.
 
-State dir: /run/stare-sandbox for root, else <temp dir>/stare-sandbox-<uid>; it must be a directory of ours
-that nobody else may write, since what it records gets killed and removed.
+State dir: $SANDBOX_STATE_DIR if set, else /run/stare-sandbox for root where /run is writable, else
+<temp dir>/stare-sandbox-<euid>. Pools exclude each other only through a shared state dir (containers on one
+host: bind-mount it). It must be a directory of ours that nobody else may write, since what it records gets
+killed and removed.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ import contextlib
 import fcntl
 import json
 import os
+import pwd
 import stat
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +57,11 @@ __all__ = [
     "RANGE_SIZE",
     "Owner",
     "RangeTaken",
+    "StateDirError",
     "check_claimable",
     "check_uid_base",
     "claim_uid_range",
+    "free_of_users",
     "state_dir",
 ]
 
@@ -62,8 +70,16 @@ AUTO_UID_BASES = tuple(b for b in range(UID_BASE, 100_000, RANGE_SIZE) if not b 
 """The first uid of every range, in the order uid_base=0 tries them."""
 
 
+STATE_DIR_ENV = "SANDBOX_STATE_DIR"
+RUN_DIR = Path("/run")
+
+
 class RangeTaken(RuntimeError):
-    """The uid range asked for, or every range, is held by another live pool."""
+    """The uid range asked for, or every range, is held by another live pool (or holds a real user's uid)."""
+
+
+class StateDirError(RuntimeError):
+    """The state dir cannot be made, or is not safely ours."""
 
 
 def check_uid_base(uid_base: int, max_kernels: int) -> None:
@@ -78,10 +94,37 @@ def check_uid_base(uid_base: int, max_kernels: int) -> None:
 
 
 def state_dir() -> Path:
-    """Where the range locks live: /run/stare-sandbox for root, else <temp dir>/stare-sandbox-<uid>."""
-    if os.geteuid() == 0:
-        return Path("/run/stare-sandbox")
+    """Where the range locks live: $SANDBOX_STATE_DIR, else /run/stare-sandbox for root where /run is writable
+    (a container's may not be), else <temp dir>/stare-sandbox-<euid>."""
+    if os.environ.get(STATE_DIR_ENV):
+        return Path(os.environ[STATE_DIR_ENV])
+    if os.geteuid() == 0 and os.access(RUN_DIR, os.W_OK):
+        return RUN_DIR / "stare-sandbox"
+    return _temp_state_dir()
+
+
+def _temp_state_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"stare-sandbox-{os.geteuid()}"
+
+
+def free_of_users(bases: Collection[int], user_uids: Collection[int]) -> list[int]:
+    """The ranges (by first uid) of `bases` that hold none of `user_uids` (the host's users: `pwd.getpwall()`)."""
+    return [first for first in bases if not any(first <= uid < first + RANGE_SIZE for uid in user_uids)]
+
+
+def _bases(uid_base: int) -> list[int]:
+    """The ranges `claim_uid_range(uid_base)` may take, in order; RangeTaken if `uid_base` holds a user's uid."""
+    users = {entry.pw_uid: entry.pw_name for entry in pwd.getpwall()}
+    if uid_base == 0:
+        return free_of_users(AUTO_UID_BASES, users)
+    if not free_of_users([uid_base], users):
+        uid = min(u for u in users if uid_base <= u < uid_base + RANGE_SIZE)
+        raise RangeTaken(
+            f"kernel uids {uid_base}-{uid_base + RANGE_SIZE - 1} include uid {uid} of user {users[uid]!r}: kernels "
+            "must not run as a real user (nor a reclaim kill its processes); choose another uid_base (--uid-base), "
+            "or 0 for the first free range"
+        )
+    return [uid_base]
 
 
 @dataclass
@@ -197,9 +240,9 @@ def claim_uid_range(uid_base: int = 0, max_kernels: int = RANGE_SIZE, directory:
     The caller holds the range until `Owner.release` or its death; it should `reclaim` before starting kernels.
     """
     check_uid_base(uid_base, max_kernels)
-    remove_dir = directory is None and os.geteuid() != 0
     directory = state_dir() if directory is None else Path(directory)
-    for first in AUTO_UID_BASES if uid_base == 0 else (uid_base,):
+    remove_dir = directory == _temp_state_dir()  # ours alone; /run's and one named by $SANDBOX_STATE_DIR stay
+    for first in _bases(uid_base):
         path = _lock_path(directory, first)
         fd = _lock(path)
         if fd is None:
@@ -217,7 +260,7 @@ def check_claimable(uid_base: int = 0, max_kernels: int = RANGE_SIZE, directory:
     starts anything. Claims nothing and leaves a dead owner's record for the pool that will reclaim it."""
     check_uid_base(uid_base, max_kernels)
     directory = state_dir() if directory is None else Path(directory)
-    for first in AUTO_UID_BASES if uid_base == 0 else (uid_base,):
+    for first in _bases(uid_base):
         fd = _lock(_lock_path(directory, first))
         if fd is not None:
             os.close(fd)
@@ -237,7 +280,7 @@ def _taken(uid_base: int, directory: Path) -> RangeTaken:
             f"lock {path}); stop that one, choose another uid_base (--uid-base), or 0 for the first free range"
         )
     return RangeTaken(
-        f"all {len(AUTO_UID_BASES)} kernel uid ranges are held by other sandboxes (locks in {directory}); "
+        f"every kernel uid range without a host user's uid is held by another sandbox (locks in {directory}); "
         "stop one of them"
     )
 
@@ -277,9 +320,12 @@ def _private_dir(path: Path) -> None:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = os.lstat(path)
     except OSError as e:
-        raise RuntimeError(f"cannot make the sandbox state dir {path}, where kernel uid ranges are locked: {e}") from e
+        raise StateDirError(
+            f"cannot make the sandbox state dir {path}, where kernel uid ranges are locked: {e}; "
+            f"set {STATE_DIR_ENV} to a directory this user may create"
+        ) from e
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
-        raise RuntimeError(
+        raise StateDirError(
             f"the sandbox state dir {path} must be a directory owned by uid {os.geteuid()} that no one else may "
             "write (what it records gets killed and removed); remove it and start again"
         )

@@ -23,9 +23,12 @@ import httpx
 import pytest
 from procs import _stat, alive, cmdline, descendants, processes_tied_to  # tests/procs.py
 
+import sandbox.isolation as isolation
+import sandbox.kernels as kernels
 from sandbox.client import InProcessClient, SandboxClient, SandboxUnavailable
-from sandbox.isolation import _PDEATHSIG_EXEC, _setpriv_with_pdeathsig, detect_isolation
+from sandbox.isolation import _PDEATHSIG_EXEC, Limits, _setpriv_with_pdeathsig, detect_isolation
 from sandbox.kernels import KernelPool, KernelsBusy, PoolSettings, SandboxError, run_stateless
+from sandbox.schemas import RunResult
 
 REPO = Path(__file__).resolve().parents[2]
 DEATH_S = 5.0  # how long a kernel may take to die after its owner (measured: well under 0.1 s)
@@ -407,6 +410,122 @@ def test_the_pool_refills_to_its_target_in_the_background_after_a_burst():
     ready, started = asyncio.run(go())
     assert ready == 3
     assert started == 3 + 6  # the first 3, and one successor per retired kernel: none started beyond the target
+
+
+def test_the_pool_shrinks_back_to_pool_size_after_a_burst_of_reusable_kernels():
+    """Kernels that serve many runs (stateless_reuse) come back after a reset; those a burst made start beyond
+    pool_size retire then instead of staying ready (and alive) for good."""
+
+    async def go() -> tuple[int, int]:
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=8, max_starting=2, stateless_reuse=50))
+        await pool.start()
+        try:
+            await wait_settled(pool, 1)
+            # each call holds its kernel a while, so the others wait and kernels are started for them
+            code = "import time; time.sleep(2); print({})"
+            results = await asyncio.gather(*(run_stateless(pool, code.format(i), 30) for i in range(4)))
+            assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+            deadline = time.monotonic() + 180  # only stops a hung test
+            while pool.starting_count or pool._returning or pool.alive_count != pool.ready_count:
+                assert time.monotonic() < deadline, "resets and retirements did not settle"
+                await asyncio.sleep(0.05)
+            return pool.ready_count, pool.kernels_started
+        finally:
+            await pool.close()
+
+    ready, started = asyncio.run(go())
+    assert started > 1  # the burst had kernels started beyond pool_size
+    assert ready == 1
+
+
+def test_a_pool_without_cgroups_never_probes_the_cgroup_tree(monkeypatch):
+    def probe() -> None:
+        raise AssertionError("the cgroup tree was probed although pool.cgroups is off")
+
+    monkeypatch.setattr(isolation, "usable_cgroups", probe)
+    monkeypatch.setattr(kernels, "usable_cgroups", probe)
+
+    async def go() -> tuple[KernelPool, RunResult]:
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=2, cgroups=False, limits=Limits(call_cpu_s=5)))
+        await pool.start()
+        try:
+            return pool, await run_stateless(pool, "print(1)", 30)
+        finally:
+            await pool.close()
+
+    pool, result = asyncio.run(go())
+    assert (result.status, result.stdout) == ("ok", "1\n") and pool.isolation.cgroup == ""
+
+
+def test_closing_the_last_pool_of_a_cgroup_removes_its_cgroup_dir():
+    cgroups = isolation.usable_cgroups()
+    if cgroups is None:
+        pytest.skip("kernels get no cgroups here")
+
+    async def go() -> None:
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=2))
+        await pool.start()
+        try:
+            assert (await run_stateless(pool, "print(1)", 30)).stdout == "1\n"
+            assert pool.isolation.cgroup == cgroups.version
+        finally:
+            await pool.close()
+
+    asyncio.run(go())
+    for directory in cgroups.dirs:  # kept only while other pools (other tests' servers) have kernel cgroups there
+        assert not directory.exists() or any(e.is_dir() for e in directory.iterdir()), directory
+
+
+def test_the_uid_range_is_given_up_even_when_a_clean_up_step_fails(monkeypatch):
+    def fail(prefix: str) -> int:
+        raise OSError("injected failure")
+
+    monkeypatch.setattr(kernels, "kill_processes_with_home", fail)
+
+    async def go() -> Path:
+        pool = KernelPool(PoolSettings(pool_size=0, max_kernels=2, isolation="process", cgroups=False))
+        await pool.start()
+        lock = pool._owner.path
+        with pytest.raises(OSError, match="injected"):
+            await pool.close()
+        return lock
+
+    assert not asyncio.run(go()).exists()
+
+
+def test_warm_up_and_reset_are_not_held_to_the_per_call_caps(monkeypatch):
+    """Without cgroups a call's CPU time is a scan of /proc: our own code (warm-up, reset) is not measured."""
+    reads = {"cpu": 0, "scratch": 0}
+    cpu, scratch = isolation.KernelMeter.cpu_seconds, isolation.KernelMeter.scratch_bytes
+
+    def counted(kind: str, read):  # noqa: ANN001, ANN202
+        def wrapper(self):  # noqa: ANN001, ANN202
+            reads[kind] += 1
+            return read(self)
+
+        return wrapper
+
+    monkeypatch.setattr(isolation.KernelMeter, "cpu_seconds", counted("cpu", cpu))
+    monkeypatch.setattr(isolation.KernelMeter, "scratch_bytes", counted("scratch", scratch))
+
+    async def go() -> tuple[dict, dict, dict]:
+        limits = Limits(call_cpu_s=5, scratch_mb=64)
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=2, cgroups=False, stateless_reuse=50, limits=limits))
+        await pool.start()
+        try:
+            await wait_settled(pool, 1)
+            warm = dict(reads)
+            assert (await run_stateless(pool, "print(1)", 30)).stdout == "1\n"
+            call = dict(reads)
+            await wait_settled(pool, 1)  # reset, and ready again
+            return warm, call, dict(reads)
+        finally:
+            await pool.close()
+
+    warm, call, reset = asyncio.run(go())
+    assert warm == {"cpu": 0, "scratch": 0}
+    assert call["cpu"] >= 1 and call["scratch"] >= 1  # the user's call is measured
+    assert reset == call
 
 
 def test_calls_waiting_for_a_kernel_get_an_error_at_once_when_the_pool_closes():

@@ -103,6 +103,21 @@ def test_a_url_list_is_checked_when_the_client_is_made():
         client.execute("1", "abc")  # not an id this client handed out: says so, sends nothing
 
 
+def test_a_malformed_session_id_is_unknown_and_closing_it_does_nothing():
+    dead = ["http://127.0.0.1:1", "http://127.0.0.1:2"]  # nothing is sent for such ids
+    with SandboxClient(dead, retries=0) as client:
+        for sid in ("abc", "\u00b2-abc", "7-abc"):  # "²" is a digit to str.isdigit, not to int()
+            with pytest.raises(SessionNotFound, match="index>-"):
+                client.execute("1", sid)
+            client.close_session(sid)
+
+    async def go() -> None:
+        async with AsyncSandboxClient(dead, retries=0) as client:
+            await client.close_session("\u00b2-abc")
+
+    asyncio.run(go())
+
+
 def test_sessions_stick_to_the_server_that_made_them(servers: list[Server]):
     with SandboxClient(urls(servers)) as client:
         sessions = [client.create_session() for _ in range(3)]

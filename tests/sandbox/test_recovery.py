@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -26,8 +27,17 @@ import httpx
 import pytest
 from procs import _stat, alive, descendants  # tests/procs.py
 
+import sandbox.ownership as ownership
 from sandbox.isolation import UID_BASE, detect_isolation, make_scratch, range_group, usable_cgroups
-from sandbox.ownership import AUTO_UID_BASES, RANGE_SIZE, RangeTaken, check_uid_base, claim_uid_range, state_dir
+from sandbox.ownership import (
+    AUTO_UID_BASES,
+    RANGE_SIZE,
+    RangeTaken,
+    check_uid_base,
+    claim_uid_range,
+    free_of_users,
+    state_dir,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 START_S = 180  # a server start includes the isolation probe and warm kernels; slow on a loaded machine
@@ -147,6 +157,44 @@ def test_uid_base_must_name_a_range():
         check_uid_base(65000, 64)
     with pytest.raises(ValueError, match=f"max_kernels must be <= {RANGE_SIZE}"):
         check_uid_base(0, RANGE_SIZE + 1)
+
+
+def test_ranges_holding_a_host_users_uid_are_never_claimed(tmp_path, monkeypatch):
+    assert free_of_users([61000, 62000, 63000, 64000], {0, 61999, 63000, 65534}) == [62000, 64000]
+    # a host whose passwd has a user in the first range (faked: this host's users are its own)
+    user = pwd.struct_passwd(("builder", "x", AUTO_UID_BASES[0] + 5, 100, "", "/home/builder", "/bin/sh"))
+    monkeypatch.setattr(ownership.pwd, "getpwall", lambda: [user])
+    owner = claim_uid_range(0, 8, directory=tmp_path)
+    try:
+        assert owner.first == AUTO_UID_BASES[1]
+    finally:
+        owner.release()
+    with pytest.raises(RangeTaken, match=f"include uid {AUTO_UID_BASES[0] + 5} of user 'builder'"):
+        claim_uid_range(AUTO_UID_BASES[0], 8, directory=tmp_path)
+
+
+def test_the_state_dir_falls_back_to_the_temp_dir_and_may_be_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("SANDBOX_STATE_DIR", raising=False)
+    monkeypatch.setattr(ownership, "RUN_DIR", tmp_path / "no-run")  # /run missing or read-only
+    assert state_dir() == Path(tempfile.gettempdir()) / f"stare-sandbox-{os.geteuid()}"
+    monkeypatch.setenv("SANDBOX_STATE_DIR", str(tmp_path / "state"))
+    owner = claim_uid_range(0, 8)
+    try:
+        assert owner.path.parent == tmp_path / "state"
+    finally:
+        owner.release()
+
+
+def test_an_unusable_state_dir_stops_the_server_with_one_line():
+    env = {**os.environ, "SANDBOX_STATE_DIR": "/dev/null/state"}
+    argv = [sys.executable, "-m", "sandbox", "serve", "--port", str(free_port())]
+    # the timeout only ends a server that started after all
+    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=START_S)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert (
+        out.stderr.startswith("sandbox: cannot make the sandbox state dir /dev/null/state")
+        and "SANDBOX_STATE_DIR" in out.stderr
+    )
 
 
 def test_claims_in_one_process_are_exclusive_and_a_release_frees_the_range(tmp_path):

@@ -225,6 +225,23 @@ def test_kernel_death_is_a_sandbox_error_and_recovers(client: SandboxClient):
     client.close_session(sid)
 
 
+def test_a_session_whose_kernel_died_gets_the_real_result_and_goes_on_when_every_slot_is_taken():
+    """max_kernels=1: the dead kernel holds the only slot, so a replacement can only come once it is freed. The
+    call that killed it says so (not KernelsBusy), and the session's next call runs on a new kernel."""
+    srv = Server("--pool-size", "1", "--max-kernels", "1", "--queue-wait-s", "5").start()
+    try:
+        with SandboxClient(srv.url, retries=10, backoff_s=0.5) as client:
+            sid = client.create_session()
+            died = client.execute("import os; os._exit(1)", sid)
+            assert (died.status, died.error.name) == ("sandbox_error", "KernelDied"), died.error
+            after = client.execute("print('fresh')", sid)
+            assert (after.status, after.stdout) == ("ok", "fresh\n"), after.error
+            client.close_session(sid)
+            assert client.health()["sessions"] == 0
+    finally:
+        srv.stop()
+
+
 def test_bad_requests_get_json_4xx(server: Server):
     url = f"{server.url}/v1/execute"
     for response in (
@@ -306,6 +323,41 @@ def test_server_restart_with_clients_retrying():
             with pytest.raises(SessionNotFound):  # sessions do not survive a restart, and say so
                 c.execute("print(3)", sid)
     finally:
+        srv.stop()
+
+
+def test_a_session_call_while_its_only_server_restarts_is_retried_not_lost():
+    """One URL: a session call that cannot connect was never sent, so the client backs off and tries again; the
+    server restarted on the same port answers that it does not know the session (not an instant sandbox_error),
+    and a new session works at once. Both clients."""
+    srv = Server("--pool-size", "1").start()
+    restarts: list[threading.Timer] = []
+
+    def restart_soon() -> None:
+        srv.stop()
+        restarts.append(threading.Timer(1.0, srv.start, kwargs={"wait": False}))
+        restarts[-1].start()
+
+    try:
+        with SandboxClient(srv.url, retries=20, backoff_s=0.25) as c:
+            sid = c.create_session()
+            restart_soon()
+            with pytest.raises(SessionNotFound):
+                c.execute("print(1)", sid)
+            sid = c.create_session()
+            assert c.execute("print(2)", sid).stdout == "2\n"
+
+        async def go() -> None:
+            async with AsyncSandboxClient(srv.url, retries=20, backoff_s=0.25) as c:
+                sid = await c.create_session()
+                restart_soon()
+                with pytest.raises(SessionNotFound):
+                    await c.execute("print(3)", sid)
+
+        asyncio.run(go())
+    finally:
+        for restart in restarts:  # a failed call may end the test before its restart: stop that server too
+            restart.join()
         srv.stop()
 
 
