@@ -715,9 +715,19 @@ class InProcessClient:
     """
 
     def __init__(
-        self, settings: Any = None, *, max_sessions: int = 1024, session_idle_s: float = 3600.0, max_running: int = 8
+        self,
+        settings: Any = None,
+        *,
+        max_sessions: int = 1024,
+        session_idle_s: float = 3600.0,
+        max_running: int = 8,
+        busy_retries: int = 3,
     ):
         from sandbox.kernels import KernelPool, PoolSettings, SessionStore
+
+        # A call that got no kernel within queue_wait_s never ran its code: wait again, as the HTTP clients
+        # retry the service's 503, up to busy_retries more times (a slow machine, not a broken pool).
+        self.busy_retries = busy_retries
 
         self.pool = KernelPool(settings or PoolSettings())
         self.sessions = SessionStore(self.pool, max_sessions, session_idle_s)
@@ -734,7 +744,7 @@ class InProcessClient:
         return {"status": "ok", "isolation": isolation, "sessions": len(self.sessions)}
 
     async def create_session(self) -> str:
-        return await self._guard(self.sessions.create)
+        return await self._guard(lambda: self._until_a_kernel(self.sessions.create))
 
     async def execute(self, code: str, session_id: str | None = None, timeout_s: float | None = None) -> RunResult:
         from sandbox.kernels import SandboxError, call_timeout, run_stateless
@@ -746,9 +756,9 @@ class InProcessClient:
         try:
             if session_id is None:
                 async with self._running:
-                    result = await run_stateless(self.pool, code, timeout)
+                    result = await self._until_a_kernel(lambda: run_stateless(self.pool, code, timeout))
             else:
-                result = await self.sessions.execute(session_id, code, timeout)
+                result = await self._until_a_kernel(lambda: self.sessions.execute(session_id, code, timeout))
         except SandboxError as exc:  # as the HTTP service answers it
             elapsed = (time.perf_counter() - started) * 1000
             result = RunResult(
@@ -773,6 +783,17 @@ class InProcessClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    async def _until_a_kernel(self, call: Callable[[], Awaitable[T]]) -> T:
+        from sandbox.kernels import KernelsBusy
+
+        for attempt in range(self.busy_retries + 1):
+            try:
+                return await call()
+            except KernelsBusy:
+                if attempt == self.busy_retries:
+                    raise
+        raise AssertionError("unreachable")
 
     @staticmethod
     async def _guard(call: Callable[[], Awaitable[T]]) -> T:

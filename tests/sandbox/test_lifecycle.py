@@ -616,3 +616,19 @@ def test_a_stateless_call_that_gets_no_kernel_in_time_gets_503_with_retry_after_
             assert client.execute("print(3)").stdout == "3\n"
     finally:
         srv.stop()
+
+
+def test_the_in_process_client_waits_again_when_no_kernel_came_in_time():
+    """In-process there is no 503 to retry: a call that got no kernel within queue_wait_s (its code never ran)
+    waits again, up to busy_retries times, and only then is a sandbox_error."""
+
+    async def main(busy_retries: int) -> RunResult:
+        # no warm kernel and a wait far shorter than a kernel start: the first waits always time out
+        settings = PoolSettings(pool_size=0, max_kernels=2, queue_wait_s=0.05)
+        async with InProcessClient(settings, busy_retries=busy_retries) as client:
+            return await client.execute("print(6 * 7)")
+
+    patient = asyncio.run(main(busy_retries=1000))
+    assert (patient.status, patient.stdout) == ("ok", "42\n")
+    impatient = asyncio.run(main(busy_retries=0))
+    assert impatient.status == "sandbox_error" and "queue_wait_s" in impatient.error.message
