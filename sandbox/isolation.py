@@ -73,6 +73,7 @@ import dataclasses
 import functools
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -369,7 +370,14 @@ def make_scratch(root: Path, uid: int | None) -> Path:
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=scratch_prefix(os.getpid()), dir=root))
+    prefix = scratch_prefix(os.getpid())
+    while True:  # 3 random characters (mkdtemp's 8 made socket paths in deep temp dirs too long)
+        path = root / (prefix + "".join(random.choices(_BASE36, k=3)))
+        try:
+            path.mkdir(mode=0o700)
+            break
+        except FileExistsError:
+            continue
     if uid is not None:
         os.chown(path, uid, uid)
     return path
@@ -401,8 +409,17 @@ def _make_removable(directory: Path) -> None:
 
 
 def scratch_prefix(pid: int) -> str:
-    """How the names of the scratch dirs made by process `pid` begin (`make_scratch`)."""
-    return f"kernel-{pid}-"
+    """How the names of the scratch dirs made by process `pid` begin (`make_scratch`): the pid in base 36, since
+    a kernel's zmq socket paths inside it must stay under the 107 bytes a Unix socket path may have."""
+    digits, rest = "", pid
+    while True:
+        rest, digit = divmod(rest, 36)
+        digits = _BASE36[digit] + digits
+        if not rest:
+            return f"kernel-{digits}-"
+
+
+_BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
 def scratch_bytes(path: Path) -> int:

@@ -45,6 +45,7 @@ from sandbox.isolation import (
     make_scratch,
     remove_scratch,
     scratch_bytes,
+    scratch_prefix,
     usable_cgroups,
 )
 from sandbox.kernels import KernelPool, PoolSettings, SessionStore, run_stateless
@@ -311,7 +312,7 @@ def test_scratch_is_private_and_removed_completely(tmp_path):
     assert not scratch.exists()
     assert stat.S_IMODE(outside.stat().st_mode) == 0o500 and (outside / "keep").read_text() == "keep"
     remove_scratch(scratch)  # a missing dir is fine
-    assert scratch.name.startswith(f"kernel-{os.getpid()}-")  # what a successor of a dead owner looks for
+    assert scratch.name.startswith(scratch_prefix(os.getpid()))  # what a successor of a dead owner looks for
 
 
 def test_scratch_bytes_counts_each_file_once_and_follows_no_link(tmp_path):
