@@ -16,22 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .test_service import Server, processes_mentioning
+from .test_service import Server, served_then_clean
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server for the module, like test_service's: stopping it leaves no kernel and no scratch dir."""
-    root = tmp_path_factory.mktemp("scratch")
-    config = root.parent / "sandbox.yaml"
-    config.write_text(f"pool:\n  scratch_root: {root}\n")
-    srv = Server("--config", str(config), "--pool-size", "2").start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-    assert processes_mentioning(str(root)) == []
-    assert [p.name for p in root.iterdir() if p.name.startswith("kernel-")] == []
+    yield from served_then_clean(tmp_path_factory)
 
 
 def verl_payload(code: str, stdin: str | None = None, timeout: int = 30, language: str = "python") -> dict:

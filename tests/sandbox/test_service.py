@@ -83,21 +83,24 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def served_then_clean(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Iterator[Server]:
+    """A module's server with its own scratch root; stopping it must leave no kernel (nor anything user code
+    started) and no scratch directory."""
     root = tmp_path_factory.mktemp("scratch")
     config = root.parent / "sandbox.yaml"
     config.write_text(f"pool:\n  scratch_root: {root}\n")
-    srv = Server(
-        "--config", str(config), "--pool-size", "2", "--default-timeout-s", "10", "--output-limit-chars", "2000"
-    ).start()
+    srv = Server("--config", str(config), "--pool-size", "2", *flags).start()
     try:
         yield srv
     finally:
         srv.stop()
-    # Stopping the server leaves no kernel (nor anything user code started) and no scratch directory.
     assert processes_mentioning(str(root)) == []
     assert [p.name for p in root.iterdir() if p.name.startswith("kernel-")] == []
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from served_then_clean(tmp_path_factory, "--default-timeout-s", "10", "--output-limit-chars", "2000")
 
 
 @pytest.fixture
