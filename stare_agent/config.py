@@ -522,6 +522,12 @@ class ExperimentConfig(QuickstartConfig):
     """Variants to run now (empty = all); the report covers every finished run."""
     stage: Literal["all", "prepare", "report"] = "all"
     """all: whatever is missing, then the report; prepare: data, model, SFT and its evaluation; report: only that."""
+    results_dir: str = ""
+    """A folder (e.g. kept under version control) for a sweep spread over several machines or sessions: it
+    gets the data, the SFT model (no optimizer state) and each finished run's numbers (no checkpoints) as
+    they are made, and a command restores from it what its output folder lacks instead of making it again,
+    so new runs start from the same SFT weights as the kept ones. Its config.yaml must match the command's
+    as the output folder's must (run.output_dir and run.name may differ). Empty: none."""
 
     def __post_init__(self) -> None:
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):

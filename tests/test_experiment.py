@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 from tiny import TINY_QUICKSTART  # tests/tiny.py
 
 from stare_agent.backends.local import experiment
 from stare_agent.cli import main
-from stare_agent.config import ConfigError, ExperimentConfig, load_config
+from stare_agent.config import ConfigError, ExperimentConfig, RLConfig, load_config
 from stare_agent.stats import bootstrap_interval, t_interval
 
 TINY = [*TINY_QUICKSTART, "eval.k=2"]
@@ -99,3 +100,41 @@ def test_a_folder_refuses_other_settings_but_takes_new_variants(tmp_path):
         key = change.split("=")[0].replace("variants", "variants.a")
         with pytest.raises(ConfigError, match=rf"holds an experiment made with other settings \({key} differ"):
             experiment.check_same_experiment(other, saved)
+
+
+@pytest.mark.slow
+def test_a_results_folder_carries_a_sweep_to_a_new_output_folder(tmp_path, capsys):
+    """A sweep kept in results_dir outlives its output folder: a fresh folder restores its data, SFT model and
+    runs instead of making them again, and a new run starts from the kept SFT weights."""
+    results = tmp_path / "kept"
+    common = [*TINY, "run.name=sweep", f"results_dir={results}", "variants={grpo-ds: {enabled: false}}", "seeds=[0]"]
+    first = experiment.run(load_config(ExperimentConfig, None, [f"run.output_dir={tmp_path / 'a'}", *common]))
+    kept = {p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file()}
+    assert {"config.yaml", "data/test.jsonl", "sft/model/model.safetensors", "eval-sft/results.json"} <= kept
+    assert {"rl-grpo-ds-s0/metrics.jsonl", "eval-grpo-ds-s0/results.json", "eval-grpo-ds-s0/test.json"} <= kept
+    assert not any("checkpoints" in p or "trainer_state" in p for p in kept)
+    report = json.loads((first / "report.json").read_text())
+    sft_weights = (results / "sft" / "model" / "model.safetensors").read_bytes()
+
+    # A new output folder: everything is restored, nothing is made, trained or evaluated; the same report.
+    capsys.readouterr()
+    second = tmp_path / "b"
+    assert main(["experiment", f"run.output_dir={second}", *common]) == 0
+    out = capsys.readouterr().out
+    assert all(f"experiment: {n} restored" in out for n in ("data", "SFT model", "sft", "grpo-ds-s0"))
+    assert not any(step in out for step in ("synthetic tasks", "experiment: SFT\n", "experiment: RL", "evaluating"))
+    assert json.loads((second / "sweep" / "report.json").read_text()) == report
+
+    # A new seed is trained from the kept SFT weights (SFT is not made again) and joins the results folder.
+    assert main(["experiment", f"run.output_dir={second}", *common, "seeds=[0, 2]"]) == 0
+    out = capsys.readouterr().out
+    assert "experiment: RL grpo-ds-s2" in out and "RL grpo-ds-s0" not in out and "experiment: SFT\n" not in out
+    start = load_config(RLConfig, second / "sweep" / "rl-grpo-ds-s2" / "config.yaml").model.path
+    assert (Path(start) / "model.safetensors").read_bytes() == sft_weights
+    assert (results / "eval-grpo-ds-s2" / "results.json").exists()
+
+    # The results folder's settings bind like the output folder's.
+    with pytest.raises(ConfigError, match=r"holds an experiment made with other settings \(rl.steps differ"):
+        experiment.run(
+            load_config(ExperimentConfig, None, [f"run.output_dir={tmp_path / 'c'}", *common, "rl.steps=3"])
+        )

@@ -10,6 +10,12 @@ A stage whose output is complete is skipped, so rerunning the command resumes a 
 each run happen under a file lock, so several commands (say `seeds=[0]` and `seeds=[1]`, one per core) may
 share one folder: a command waits for a run another one is doing and then reuses it.
 Each run's numbers come from its own metrics.jsonl and eval results; the report's intervals are over seeds.
+
+With `results_dir`, a sweep outlives its output folder: the data, the SFT model (weights and tokenizer, no
+optimizer state) and each finished run's numbers (not its checkpoints) are copied there, and a later command,
+on this machine or another, restores them instead of making them again. New runs then start from the very SFT
+weights the kept runs started from: remaking SFT would give other weights (float sums differ with thread
+timing), so the runs of a sweep would not share their start.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import shutil
 import statistics
 from collections.abc import Iterator
 from dataclasses import asdict, replace
@@ -24,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from stare_agent.backends.local import evaluate, rl, sft
-from stare_agent.backends.local.common import latest_checkpoint, read_metrics
+from stare_agent.backends.local.common import TRAINER_STATE, latest_checkpoint, read_metrics
 from stare_agent.backends.local.quickstart import logged, make_data, mean, run_summary
 from stare_agent.config import ConfigError, ExperimentConfig, RunConfig, load_config, run_path, save_config, to_dict
 from stare_agent.models import build_tiny_model, tiny_corpus
@@ -86,7 +93,9 @@ def prepare(config: ExperimentConfig, run_dir: Path) -> dict[str, Path]:
                 )
             )
             finished.write_text(f"{checkpoint}\n")
+        _keep_sft(config, run_dir, files, checkpoint)
         _evaluate(config, run_dir, "eval-sft", checkpoint, files["test"], seed)
+        _keep(config, run_dir, "eval-sft")
     return {**files, "sft_model": checkpoint}
 
 
@@ -114,6 +123,8 @@ def run_variant(config: ExperimentConfig, run_dir: Path, files: dict[str, Path],
 def _run_variant(
     config: ExperimentConfig, run_dir: Path, files: dict[str, Path], variant: str, seed: int, name: str
 ) -> None:
+    if _done(run_dir, name):  # evaluated (here, or restored from the results folder without checkpoints)
+        return
     final = _final_checkpoint(run_dir / f"rl-{name}", config.rl.steps)
     if final is None:
         print(f"experiment: RL {name}, {config.rl.steps} steps")
@@ -129,22 +140,103 @@ def _run_variant(
         )
     # Every model is scored with the same evaluation seed: the comparison between runs is paired.
     _evaluate(config, run_dir, f"eval-{name}", final, files["test"], config.run.seed)
+    _keep(config, run_dir, f"rl-{name}", f"eval-{name}")
+
+
+def _done(run_dir: Path, name: str) -> bool:
+    return (run_dir / f"eval-{name}" / "results.json").exists()
+
+
+# --- the results folder ----------------------------------------------------------------------------------
+
+RL_KEPT = ("metrics.jsonl", "config.yaml")  # of an RL run; an evaluation's folder is kept whole (no subfolders)
+SFT_KEPT = "sft/model"  # the SFT checkpoint in the results folder, without its optimizer state
+
+
+def _keep(config: ExperimentConfig, run_dir: Path, *names: str) -> None:
+    """Copy finished runs' numbers into the results folder (replacing what it had of them)."""
+    if not config.results_dir:
+        return
+    for name in names:
+        source = run_dir / name
+        if name.startswith("rl-"):
+            files = [source / f for f in RL_KEPT]
+        else:
+            files = [p for p in source.iterdir() if p.is_file()]
+        _copy_files(files, Path(config.results_dir) / name)
+
+
+def _keep_sft(config: ExperimentConfig, run_dir: Path, data: dict[str, Path], checkpoint: Path) -> None:
+    """The data and the SFT model into the results folder, unless it has them (then they were restored)."""
+    results = Path(config.results_dir)
+    if config.results_dir and not (results / SFT_KEPT).exists():
+        _copy_files(list(data.values()), results / "data")
+        _copy_files([p for p in checkpoint.iterdir() if p.is_file() and p.name != TRAINER_STATE], results / SFT_KEPT)
+
+
+def _copy_files(files: list[Path], target: Path) -> None:
+    """`target` made anew holding copies of `files`; it appears whole (renamed into place) or not at all."""
+    partial = target.with_name(f".partial-{target.name}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for path in files:
+        shutil.copy2(path, partial / path.name)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+
+
+def restore(results: Path, run_dir: Path) -> list[str]:
+    """Copy into `run_dir` what the results folder has and `run_dir` lacks: the data and SFT model, and every
+    finished run; the names of the stages restored."""
+    restored = []
+    if (results / "data").is_dir() and not (run_dir / "data").exists():
+        shutil.copytree(results / "data", run_dir / "data")
+        restored.append("data")
+    finished = run_dir / "sft" / "finished"
+    if (results / SFT_KEPT).is_dir() and not finished.exists():
+        model = run_dir / SFT_KEPT
+        shutil.copytree(results / SFT_KEPT, model, dirs_exist_ok=True)
+        finished.write_text(f"{model}\n")
+        restored.append("SFT model")
+    for kept in sorted(results.glob("eval-*")):
+        if (kept / "results.json").exists() and not (run_dir / kept.name / "results.json").exists():
+            name = kept.name.removeprefix("eval-")
+            for part in (kept, results / f"rl-{name}"):
+                if part.is_dir():
+                    shutil.copytree(part, run_dir / part.name, dirs_exist_ok=True)
+            restored.append(name)
+    return restored
 
 
 # Keys that may differ between commands sharing one experiment folder: what to run now, and how fast.
 PER_COMMAND = ("seeds", "only", "stage", "variants")
 
 
-def check_same_experiment(config: ExperimentConfig, saved_path: Path) -> ExperimentConfig:
+def _join(config: ExperimentConfig, folder: Path, where: tuple[str, ...] = ()) -> ExperimentConfig:
+    """`config` checked against `folder`'s config.yaml (written if it has none; new variants added to it).
+    Returns the command's config with the folder's variants joined in."""
+    saved = folder / "config.yaml"
+    if not saved.exists():
+        save_config(config, folder)
+        return config
+    joined = check_same_experiment(config, saved, where)
+    if joined.variants != load_config(ExperimentConfig, saved).variants:
+        save_config(replace(load_config(ExperimentConfig, saved), variants=joined.variants), folder)
+    return replace(config, variants=joined.variants)
+
+
+def check_same_experiment(config: ExperimentConfig, saved_path: Path, where: tuple[str, ...] = ()) -> ExperimentConfig:
     """The config to save: the folder's own config with any new variants added. Anything else that differs
     from the folder's config (data, model, SFT, RL or eval settings, or an existing variant's changes) is an
-    error naming the keys: its finished runs would otherwise be reused as if made with the new settings."""
+    error naming the keys: its finished runs would otherwise be reused as if made with the new settings.
+    Keys in `where` (where the folder is) may differ too."""
     saved = load_config(ExperimentConfig, saved_path)
     mine, theirs = _flat(to_dict(config)), _flat(to_dict(saved))
+    free = {"run.threads", "results_dir", *where}
     differ = sorted(
         key
         for key in mine.keys() | theirs.keys()
-        if key.split(".")[0] not in PER_COMMAND and key != "run.threads" and mine.get(key) != theirs.get(key)
+        if key.split(".")[0] not in PER_COMMAND and key not in free and mine.get(key) != theirs.get(key)
     )
     differ += [
         f"variants.{name}"
@@ -172,21 +264,23 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def run(config: ExperimentConfig) -> Path:
     run_dir = run_path(config.run, "experiment")
-    saved = run_dir / "config.yaml"
     with _locked(run_dir / ".config.lock"):
-        if not saved.exists():
-            folder_config = config
-            save_config(config, run_dir)
-        else:
-            folder_config = check_same_experiment(config, saved)
-            if folder_config.variants != load_config(ExperimentConfig, saved).variants:
-                save_config(folder_config, run_dir)  # new variants join the folder's config
+        folder_config = config
+        if config.results_dir:  # its settings must be this command's, as the output folder's must
+            folder_config = _join(config, Path(config.results_dir), where=("run.output_dir", "run.name"))
+            for name in restore(Path(config.results_dir), run_dir):
+                print(f"experiment: {name} restored from {config.results_dir}")
+        folder_config = _join(folder_config, run_dir)  # the report covers every variant of both folders
     if config.stage != "report":
-        files = prepare(config, run_dir)
+        names = [f"{v}-s{seed}" for seed in config.seeds for v in config.only or list(config.variants)]
+        # Data and SFT only when something needs them: a sweep restored whole goes straight to its report.
+        if config.stage == "prepare" or not _done(run_dir, "sft") or not all(_done(run_dir, n) for n in names):
+            files = prepare(config, run_dir)
         if config.stage == "all":
             for seed in config.seeds:
                 for variant in config.only or list(config.variants):
-                    run_variant(config, run_dir, files, variant, seed)
+                    if not _done(run_dir, f"{variant}-s{seed}"):
+                        run_variant(config, run_dir, files, variant, seed)
     report = write_report(folder_config, run_dir)  # every variant of the folder, not only this command's
     print(report.read_text())
     print(f"experiment: everything is in {run_dir}")
