@@ -137,6 +137,11 @@ def cpu_snapshot(server_pid: int | None, marker: str) -> CpuSnap:
     return CpuSnap(time.perf_counter(), busy, table[os.getpid()][2], server, others)
 
 
+def others_cpu_s(start: CpuSnap, end: CpuSnap) -> float:
+    """CPU seconds that processes not ours used between the two snapshots."""
+    return sum(max(total - start.others.get(pid, 0.0), 0.0) for pid, total in end.others.items())
+
+
 # ---------------------------------------------------------------- measurements
 
 
@@ -166,7 +171,7 @@ class Result:
         self.wall_s = end.wall - start.wall
         calls = max(self.n + sum(self.bad.values()), 1)
         client, server = end.client - start.client, end.server - start.server
-        others = sum(max(total - start.others.get(pid, 0.0), 0.0) for pid, total in end.others.items())
+        others = others_cpu_s(start, end)
         kernels = max(end.busy - start.busy - client - server - others, 0.0)
         self.cpu = {
             "client": client * 1000 / calls,

@@ -35,8 +35,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from _machine import cpu_snapshot, other_cores
-from bench_sandbox import free_port, stop_server  # same directory: run as a script
+from bench_sandbox import cpu_snapshot, free_port, others_cpu_s, stop_server  # same directory: run as a script
 from prometheus_client.parser import text_string_to_metric_families
 
 from sandbox.client import AsyncSandboxClient, SandboxUnavailable
@@ -155,9 +154,11 @@ async def cell(urls: list[str], setup: str, load: str, args: argparse.Namespace)
         await run_calls(client, sessions, args, args.warmup)
         runs_before = [server_runs(url)[load] for url in urls]
         calls_before = [s["calls"] for s in client.server_stats()]
-        machine = cpu_snapshot()
+        # ours: this process, the servers it started and their kernels (their command lines name args.tmp)
+        machine = cpu_snapshot(None, args.tmp)
         latencies, bad, wall_s = await run_calls(client, sessions, args, args.calls)
-        others = other_cores(machine)
+        end = cpu_snapshot(None, args.tmp)
+        others = others_cpu_s(machine, end) / (end.wall - machine.wall)
         runs = [server_runs(url)[load] - before for url, before in zip(urls, runs_before, strict=True)]
         calls = [s["calls"] - before for s, before in zip(client.server_stats(), calls_before, strict=True)]
         if sessions:
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         servers(args.servers, flags, Path(tmp)) as urls,
     ):
         print(f"servers: {' '.join(urls)}\n  flags: {' '.join(flags)}", flush=True)
+        args.tmp = tmp
         for load in args.loads:
             for setup, listed in (("1 server", urls[:1]), (f"{len(urls)} servers", urls)):
                 row = asyncio.run(cell(listed, setup, load, args))
