@@ -141,6 +141,12 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
         "--error-fraction", type=_fraction, default=0.25, help="share of transcripts that fix an error (default 0.25)"
     )
     sft.add_argument(
+        "--styles",
+        choices=["one", "mixed"],
+        default="one",
+        help="one: each family's usual program; mixed: a program drawn from its styles per transcript (default one)",
+    )
+    sft.add_argument(
         "--sandbox-url", type=_url, default=None, help="a running sandbox service; default: in-process kernels"
     )
     sft.add_argument("--sandbox-token", default=None, help="its token (or set SANDBOX_TOKEN)")
@@ -199,7 +205,9 @@ def _data(args: argparse.Namespace) -> int:
                 client = InProcessClient(PoolSettings(pool_size=4))
             try:
                 await client.start()
-                return await make_sft_rows(problems, client, seed=args.seed, error_fraction=args.error_fraction)
+                return await make_sft_rows(
+                    problems, client, seed=args.seed, error_fraction=args.error_fraction, styles=args.styles
+                )
             finally:
                 await client.close()
 

@@ -430,6 +430,10 @@ class TaskDataConfig:
     """Task families (empty = all)."""
     error_fraction: float = 0.2
     """SFT transcripts that hit an error in their first call and fix it."""
+    solution_styles: Literal["one", "mixed"] = "one"
+    """one: each family's SFT programs are written one way; mixed: each transcript's program is drawn from the
+    family's styles (loop, built-in, closed form, sympy), all correct, so the SFT model has entropy that the
+    reward does not need (a setting where GRPO's collapse has room to show)."""
 
     def __post_init__(self) -> None:
         from stare_agent.tasks import FAMILIES

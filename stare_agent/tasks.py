@@ -1,8 +1,11 @@
 """Synthetic math tasks for training tiny tool-using agents: problems that a 1-3 line Python program solves exactly.
 
 Each family ("mod_pow", "gcd", ...) has one fixed English template, an exact integer answer computed here in plain
-Python, and a `solution_code` snippet that prints that answer, written the way a model should write it. Difficulty 1
-keeps the numbers small enough for a strong human to work by hand; difficulty 3 clearly needs code.
+Python, and a `solution_code` snippet that prints that answer, written the way a model should write it, plus
+`other_solutions`: correct programs in other styles (a loop, a built-in, a closed form, sympy). SFT data written
+with several styles gives a model a choice the reward does not care about, entropy that GRPO can collapse
+(`make_sft_rows(styles="mixed")`). Difficulty 1 keeps the numbers small enough for a strong human to work by hand;
+difficulty 3 clearly needs code.
 
 Train and test never share a problem, whatever the seeds: a problem belongs to the test split when the SHA-256 of its
 text falls in 2 of 10 buckets and to train otherwise (`split_of`), and `generate_tasks` keeps only candidates of the
@@ -29,15 +32,21 @@ TEST_BUCKETS = frozenset({0, 1})
 MAX_TRIES = 2000
 """Candidates rejected in a row (other split, or already drawn) before a family and difficulty count as exhausted."""
 
-# One drawn problem: (text, answer, solution_code). In each family the ranges are indexed by difficulty - 1.
-Draw = tuple[str, int, str]
+# One drawn problem: (text, answer, programs that print the answer, the usual one first). In each family the ranges
+# are indexed by difficulty - 1. Every program ends with its print(...) line (the SFT typo episodes rely on it).
+Draw = tuple[str, int, tuple[str, ...]]
 
 
 def _mod_pow(rng: random.Random, level: int) -> Draw:
     a = rng.randint(*((2, 9), (2, 50), (10, 1000))[level - 1])
     b = rng.randint(*((10, 30), (50, 500), (1000, 10**6))[level - 1])
     m = rng.randint(*((3, 20), (10, 100), (100, 10**4))[level - 1])
-    return f"What is the remainder when {a}^{b} is divided by {m}?", pow(a, b, m), f"print(pow({a}, {b}, {m}))"
+    codes = (
+        f"print(pow({a}, {b}, {m}))",
+        f"print({a}**{b} % {m})",
+        f"r = 1\nfor _ in range({b}):\n    r = r * {a} % {m}\nprint(r)",
+    )
+    return f"What is the remainder when {a}^{b} is divided by {m}?", pow(a, b, m), codes
 
 
 def _digit_sum_pow(rng: random.Random, level: int) -> Draw:
@@ -48,7 +57,12 @@ def _digit_sum_pow(rng: random.Random, level: int) -> Draw:
     while value:
         value, digit = divmod(value, 10)
         total += digit
-    return f"What is the sum of the digits of {a}^{b}?", total, f"print(sum(int(d) for d in str({a}**{b})))"
+    codes = (
+        f"print(sum(int(d) for d in str({a}**{b})))",
+        f"print(sum(map(int, str({a}**{b}))))",
+        f"n, s = {a}**{b}, 0\nwhile n:\n    n, d = divmod(n, 10)\n    s += d\nprint(s)",
+    )
+    return f"What is the sum of the digits of {a}^{b}?", total, codes
 
 
 def _count_divisible(rng: random.Random, level: int) -> Draw:
@@ -57,7 +71,12 @@ def _count_divisible(rng: random.Random, level: int) -> Draw:
     a, b = sorted(rng.sample(range(lo, hi + 1), 2))
     answer = n // a + n // b - n // math.lcm(a, b)  # inclusion-exclusion
     text = f"How many integers from 1 to {n} are divisible by {a} or by {b}?"
-    return text, answer, f"print(sum(1 for k in range(1, {n + 1}) if k % {a} == 0 or k % {b} == 0))"
+    codes = (
+        f"print(sum(1 for k in range(1, {n + 1}) if k % {a} == 0 or k % {b} == 0))",
+        f"print(len([k for k in range(1, {n + 1}) if k % {a} == 0 or k % {b} == 0]))",
+        f"import math\nprint({n} // {a} + {n} // {b} - {n} // math.lcm({a}, {b}))",
+    )
+    return text, answer, codes
 
 
 def _num_divisors(rng: random.Random, level: int) -> Draw:
@@ -66,7 +85,11 @@ def _num_divisors(rng: random.Random, level: int) -> Draw:
     return (
         f"How many positive divisors does {n} have?",
         answer,
-        f"print(sum(1 for d in range(1, {n + 1}) if {n} % d == 0))",
+        (
+            f"print(sum(1 for d in range(1, {n + 1}) if {n} % d == 0))",
+            f"print(len([d for d in range(1, {n + 1}) if {n} % d == 0]))",
+            f"import sympy\nprint(sympy.divisor_count({n}))",
+        ),
     )
 
 
@@ -78,7 +101,11 @@ def _gcd(rng: random.Random, level: int) -> Draw:
     return (
         f"What is the greatest common divisor of {a} and {b}?",
         math.gcd(a, b),
-        f"import math\nprint(math.gcd({a}, {b}))",
+        (
+            f"import math\nprint(math.gcd({a}, {b}))",
+            f"a, b = {a}, {b}\nwhile b:\n    a, b = b, a % b\nprint(a)",
+            f"import sympy\nprint(sympy.gcd({a}, {b}))",
+        ),
     )
 
 
@@ -87,7 +114,12 @@ def _sum_squares_mod(rng: random.Random, level: int) -> Draw:
     m = rng.randint(*((7, 50), (50, 1000), (1000, 10**5))[level - 1])
     answer = n * (n + 1) * (2 * n + 1) // 6 % m
     text = f"What is the remainder when 1^2 + 2^2 + ... + {n}^2 is divided by {m}?"
-    return text, answer, f"print(sum(k * k for k in range(1, {n + 1})) % {m})"
+    codes = (
+        f"print(sum(k * k for k in range(1, {n + 1})) % {m})",
+        f"print({n} * ({n} + 1) * (2 * {n} + 1) // 6 % {m})",
+        f"total = 0\nfor k in range(1, {n + 1}):\n    total += k**2\nprint(total % {m})",
+    )
+    return text, answer, codes
 
 
 def _fib(n: int, m: int) -> tuple[int, int]:
@@ -107,8 +139,12 @@ def _fib_mod(rng: random.Random, level: int) -> Draw:
         "The Fibonacci numbers are F(1) = 1, F(2) = 1 and F(k) = F(k-1) + F(k-2). "
         f"What is the remainder when F({n}) is divided by {m}?"
     )
-    code = f"a, b = 0, 1\nfor _ in range({n}):\n    a, b = b, (a + b) % {m}\nprint(a)"
-    return text, _fib(n, m)[0], code
+    codes = (
+        f"a, b = 0, 1\nfor _ in range({n}):\n    a, b = b, (a + b) % {m}\nprint(a)",
+        f"f = [0, 1]\nfor _ in range({n - 1}):\n    f.append((f[-1] + f[-2]) % {m})\nprint(f[{n}])",
+        f"import sympy\nprint(sympy.fibonacci({n}) % {m})",
+    )
+    return text, _fib(n, m)[0], codes
 
 
 def _count_primes(rng: random.Random, level: int) -> Draw:
@@ -117,8 +153,13 @@ def _count_primes(rng: random.Random, level: int) -> Draw:
     for p in range(2, math.isqrt(n) + 1):
         if sieve[p]:
             sieve[p * p :: p] = bytes(len(range(p * p, n + 1, p)))
-    code = f"import math\nprint(sum(1 for k in range(2, {n + 1}) if all(k % d for d in range(2, math.isqrt(k) + 1))))"
-    return f"How many prime numbers are less than or equal to {n}?", sum(sieve), code
+    codes = (
+        f"import math\nprint(sum(1 for k in range(2, {n + 1}) if all(k % d for d in range(2, math.isqrt(k) + 1))))",
+        f"import sympy\nprint(sympy.primepi({n}))",
+        f"s = [True] * {n + 1}\nfor p in range(2, {n + 1}):\n    for q in range(p * p, {n + 1}, p):\n"
+        f"        s[q] = False\nprint(sum(s[2:]))",
+    )
+    return f"How many prime numbers are less than or equal to {n}?", sum(sieve), codes
 
 
 _FAMILIES: dict[str, Callable[[random.Random, int], Draw]] = {
@@ -175,7 +216,7 @@ def generate_tasks(
         step, lap = i % long_side, (i % long_side + i // long_side) % short_side
         name, level = (names[step], levels[lap]) if len(names) >= len(levels) else (names[lap], levels[step])
         for _ in range(MAX_TRIES):
-            text, answer, code = _FAMILIES[name](rng, level)
+            text, answer, codes = _FAMILIES[name](rng, level)
             problem_id = f"synthetic-{split}-{name}-{hashlib.sha256(text.encode('utf-8')).hexdigest()[:8]}"
             if split_of(text) == split and problem_id not in seen:
                 break
@@ -185,7 +226,13 @@ def generate_tasks(
                 f"tries ({len(problems)} drawn so far): ask for fewer problems or allow more difficulties"
             )
         seen.add(problem_id)
-        meta = {"family": name, "difficulty": level, "split": split, "solution_code": code}
+        meta = {
+            "family": name,
+            "difficulty": level,
+            "split": split,
+            "solution_code": codes[0],
+            "other_solutions": list(codes[1:]),
+        }
         problems.append(Problem(id=problem_id, problem=text, answer=str(answer), source="synthetic", meta=meta))
     return problems
 
@@ -205,13 +252,20 @@ def _call(code: str) -> str:
     return f"{protocol.CODE_OPEN}\n```python\n{code}\n```\n{protocol.CODE_CLOSE}"
 
 
-async def _transcript(problem: Problem, client: Any, rng: random.Random, with_error: bool, max_chars: int) -> str:
+SolutionStyles = Literal["one", "mixed"]
+
+
+async def _transcript(
+    problem: Problem, client: Any, rng: random.Random, with_error: bool, max_chars: int, styles: SolutionStyles
+) -> str:
     """The assistant text for one problem; each code block is run as a stateless sandbox call.
 
     Stateless calls reuse warm kernels (milliseconds each), where a session per transcript would start a
     kernel per transcript; the programs are self-contained, so they also suit the stateless tool mode.
     """
     code = problem.meta["solution_code"]
+    if styles == "mixed":  # only then a draw: "one" keeps the transcripts it always made
+        code = rng.choice([code, *problem.meta.get("other_solutions", [])])
     *body, last = code.splitlines()
     if not (last.startswith("print(") and last.endswith(")")):
         raise ValueError(f"{problem.id}: solution_code must end with a print(...) line; got {last!r}")
@@ -246,24 +300,28 @@ async def make_sft_rows(
     system_prompt: str | None = protocol.SYSTEM_PROMPT,
     output_max_chars: int = 1024,
     concurrency: int = 8,
+    styles: SolutionStyles = "one",
 ) -> list[dict[str, Any]]:
     """ReTool-SFT rows (`messages`: [system], user, assistant) for synthetic problems, every code block really
     executed through `client` (a sandbox client), so each interpreter block is true output.
 
     A fraction of transcripts first make a typo, see the NameError, and run the corrected program in a
-    second call. Rows come back in the order of `problems`.
+    second call. `styles`: "one" writes each family's usual program; "mixed" one of its programs (usual or
+    other style), drawn uniformly per transcript. Rows come back in the order of `problems`.
     """
     if not 0.0 <= error_fraction <= 1.0:
         raise ValueError(f"error_fraction must be in [0, 1]; got {error_fraction}")
+    if styles not in get_args(SolutionStyles):
+        raise ValueError(f"styles must be one of {', '.join(get_args(SolutionStyles))}; got {styles!r}")
     rng = random.Random(f"stare-sft:{seed}")
     plans = [(problem, random.Random(rng.random()), rng.random() < error_fraction) for problem in problems]
     limit = asyncio.Semaphore(concurrency)
 
     async def row(problem: Problem, row_rng: random.Random, with_error: bool) -> dict[str, Any]:
         async with limit:
-            text = await _transcript(problem, client, row_rng, with_error, output_max_chars)
+            text = await _transcript(problem, client, row_rng, with_error, output_max_chars, styles)
         messages = [*protocol.prompt_messages(problem.problem, system_prompt), {"role": "assistant", "content": text}]
-        meta = {k: v for k, v in problem.meta.items() if k != "solution_code"}
+        meta = {k: v for k, v in problem.meta.items() if k not in ("solution_code", "other_solutions")}
         return {
             "id": problem.id,
             "messages": messages,

@@ -33,7 +33,8 @@ def test_problem_fields():
         assert isinstance(p, Problem) and p.source == "synthetic"
         assert re.fullmatch(rf"synthetic-test-{p.meta['family']}-[0-9a-f]{{8}}", p.id)
         assert re.fullmatch(r"0|[1-9][0-9]*", p.answer)
-        assert set(p.meta) == {"family", "difficulty", "split", "solution_code"} and p.meta["split"] == "test"
+        assert set(p.meta) == {"family", "difficulty", "split", "solution_code", "other_solutions"}
+        assert p.meta["split"] == "test"
         assert split_of(p.problem) == "test"
 
 
@@ -80,7 +81,11 @@ def test_single_family_and_difficulty():
 def test_solution_code_prints_the_answer(family, difficulty):
     for p in generate_tasks(3, seed=difficulty, families=[family], difficulty=difficulty):
         assert p.meta["family"] == family and p.meta["difficulty"] == difficulty
-        assert run_snippet(p.meta["solution_code"]) == p.answer + "\n", p.problem
+        programs = [p.meta["solution_code"], *p.meta["other_solutions"]]
+        assert len(set(programs)) == 3, programs  # three different styles
+        for code in programs:
+            assert run_snippet(code) == p.answer + "\n", (p.problem, code)
+            assert code.splitlines()[-1].startswith("print("), code  # the SFT typo episodes edit this line
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -149,3 +154,31 @@ def test_sft_transcripts_hold_real_sandbox_output():
             assert observations[0] == protocol.observation("NameError: name 'reslt' is not defined")
         assert score(text, problem.answer) == 1.0 and "solution_code" not in row["meta"]
     assert 0 < typos < len(rows)
+
+
+def test_mixed_style_transcripts_use_every_style_and_one_style_keeps_the_usual_program():
+    import asyncio
+
+    from sandbox.client import InProcessClient
+    from sandbox.kernels import PoolSettings
+    from stare_agent import protocol
+    from stare_agent.reward import score
+    from stare_agent.tasks import make_sft_rows
+
+    problems = generate_tasks(24, seed=5, families=["gcd"], difficulty=2)
+
+    async def make(styles):
+        async with InProcessClient(PoolSettings(pool_size=2)) as client:
+            return await make_sft_rows(problems, client, seed=1, error_fraction=0.0, styles=styles)
+
+    def programs(rows):  # the model text before the first interpreter output: the one program of the transcript
+        return [protocol.split_transcript(row["messages"][2]["content"])[0].text for row in rows]
+
+    one, mixed = asyncio.run(make("one")), asyncio.run(make("mixed"))
+    assert all("math.gcd(" in text and "while b" not in text for text in programs(one))
+    used = {("math.gcd(" in t) + 2 * ("while b" in t) + 4 * ("sympy.gcd(" in t) for t in programs(mixed)}
+    assert used == {1, 2, 4}  # each transcript uses exactly one style, and all three occur
+    assert all(score(row["messages"][2]["content"], p.answer) == 1.0 for row, p in zip(mixed, problems, strict=True))
+    assert all("other_solutions" not in row["meta"] for row in mixed)
+    with pytest.raises(ValueError, match="styles must be one of one, mixed; got 'many'"):
+        asyncio.run(make("many"))

@@ -112,6 +112,7 @@ def make_data(config: QuickstartConfig, run_dir: Path) -> dict[str, Path]:
                 client,
                 seed=seed,
                 error_fraction=tasks.error_fraction,
+                styles=tasks.solution_styles,
                 system_prompt=config.rl.agent.system_prompt,
                 output_max_chars=config.rl.agent.output_max_chars,
             )
