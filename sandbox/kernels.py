@@ -26,6 +26,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 import uuid
@@ -223,7 +224,7 @@ class _CallCaps:
 
     @classmethod
     async def begin(cls, kernel: Kernel, timeout_s: float, limits: Limits) -> _CallCaps:
-        process = getattr(kernel.manager.provisioner, "process", None)  # a Popen: the kernel's session leader
+        process = kernel.process
         first_uid = UID_BASE + kernel.slot - kernel.slot % UID_RANGE_SIZE  # of the pool's range (KernelPool._start)
         meter = KernelMeter(
             kernel.scratch, process.pid if process is not None else None, range_group(first_uid), kernel.cgroups
@@ -294,6 +295,27 @@ class Kernel:
         self.closing = False  # shutdown() was called
         self._stopping = asyncio.Lock()
 
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The kernel's first process, the leader of its own session and process group (jupyter_client's
+        LocalProvisioner starts it); None before the start and once jupyter_client has reaped it."""
+        return getattr(getattr(self.manager, "provisioner", None), "process", None)
+
+    def exited(self) -> bool:
+        """Whether the kernel's first process has exited (or never started), without reaping it.
+
+        Unreaped, its pid stays taken, so the signals sent to its process group (interrupt, caps, shutdown) reach
+        the kernel's processes only; Popen.poll(), which jupyter_client's is_alive() uses, reaps it and frees the
+        id for the next new process.
+        """
+        process = self.process
+        if process is None or process.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped by someone else
+            return True
+
     async def execute(self, code: str, timeout_s: float, settings: PoolSettings, *, user: bool = True) -> RunResult:
         """Run `code`; never raises for anything the code does.
 
@@ -348,7 +370,7 @@ class Kernel:
                     status="sandbox_error", error=ErrorInfo(name="SandboxClosed", message=message), duration_ms=elapsed
                 )
             except queue.Empty:
-                if not await self.manager.is_alive():
+                if self.exited():
                     self.dead = True
                     await asyncio.to_thread(caps.meter.kill)  # what the kernel started dies with it, also here
                     status, error = caps.memory_exceeded() or (
@@ -423,7 +445,7 @@ class Kernel:
                     heartbeat.stop()
             if self.manager.has_kernel:
                 with contextlib.suppress(Exception):
-                    await self.manager.shutdown_kernel(now=True)
+                    await self._stop_process()
             remove_scratch(self.scratch)
             # Frees the kernel's sockets, in this (the event loop's) thread: its asyncio sockets are registered
             # with this loop, and destroying the context from another thread left ~1000 file descriptors open
@@ -431,12 +453,22 @@ class Kernel:
             with contextlib.suppress(Exception):
                 self.manager.context.destroy(linger=0)
 
+    async def _stop_process(self) -> None:
+        if self.process.returncode is None:  # alive, or exited but not reaped: its group id is still the kernel's
+            await self.manager.shutdown_kernel(now=True)  # SIGINT, then SIGKILL to the group; reaps it
+            return
+        # Reaped already (jupyter_client's wait_for_ready polls it while it starts): shutdown_kernel would still
+        # signal its group id, which a new process may hold by now. Forget the process and free the rest.
+        await self.manager.provisioner.wait()
+        await self.manager.cleanup_resources()
+
     def kill_now(self) -> None:
         """`shutdown` without an event loop: SIGKILL the kernel's process group, reap it, remove the scratch dir."""
-        process = getattr(self.manager.provisioner, "process", None)  # jupyter_client's LocalProvisioner: a Popen
+        process = self.process
         if process is not None:
-            with contextlib.suppress(OSError):
-                os.killpg(process.pid, signal.SIGKILL)  # its own group: jupyter_client starts it in a new session
+            if process.returncode is None:  # not reaped yet: the group id is still its own (see _stop_process)
+                with contextlib.suppress(OSError):
+                    os.killpg(process.pid, signal.SIGKILL)  # its own group: jupyter_client starts it in a new session
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
         remove_scratch(self.scratch)
@@ -841,8 +873,7 @@ class KernelPool:
         """One of FAILURE_CAUSES for a start that raised `exc` after `seconds`."""
         if isinstance(exc, TimeoutError) or seconds >= self.settings.startup_timeout_s:
             return "timeout"  # jupyter_client's wait_for_ready says so with a RuntimeError
-        process = getattr(getattr(kernel.manager, "provisioner", None), "process", None) if kernel else None
-        return "died" if process is not None and process.poll() is not None else "error"
+        return "died" if kernel is not None and kernel.process is not None and kernel.exited() else "error"
 
 
 @dataclass

@@ -632,3 +632,60 @@ def test_the_in_process_client_waits_again_when_no_kernel_came_in_time():
     assert (patient.status, patient.stdout) == ("ok", "42\n")
     impatient = asyncio.run(main(busy_retries=0))
     assert impatient.status == "sandbox_error" and "queue_wait_s" in impatient.error.message
+
+
+# --- dead kernels: never signalled by a recycled id --------------------------------------------------
+
+
+async def kill_and_wait(kernel: kernels.Kernel) -> None:
+    """SIGKILL the kernel's process (process isolation: the kernel itself) and wait until it has exited."""
+    os.kill(kernel.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + DEATH_S
+    while not kernel.exited():
+        assert time.monotonic() < deadline, "the kernel did not die"
+        await asyncio.sleep(0.01)
+
+
+def test_a_dead_kernels_group_is_signalled_only_while_its_id_cannot_be_reused(monkeypatch):
+    """A kernel's process group id is that of its first process, free for a new process once that one is reaped.
+    Stopping a kernel that died signals its group while the process is unreaped (what it started dies with it),
+    and sends nothing once jupyter_client reaped it (its is_alive() does, e.g. while a kernel starts)."""
+    ids: dict[str, int] = {}
+    signalled: list[tuple[int, int]] = []
+    real_killpg = os.killpg
+
+    def killpg(pgid: int, signum: int) -> None:
+        if pgid in ids.values():
+            signalled.append((pgid, signum))
+        if pgid == ids.get("reaped"):  # never signal it for real: a new process may hold the id by now
+            raise ProcessLookupError(pgid)
+        real_killpg(pgid, signum)
+
+    monkeypatch.setattr(os, "killpg", killpg)
+
+    async def go() -> dict[int, int]:
+        pool = KernelPool(PoolSettings(pool_size=2, max_kernels=4, isolation="process"))
+        await pool.start()
+        try:
+            await wait_settled(pool, 2)
+            unreaped, reaped = await pool.acquire(), await pool.acquire()
+            # a process the kernel started, in its process group: only a signal to the group ends it
+            code = "import subprocess; print(subprocess.Popen(['sleep', '600']).pid)"
+            child = int((await unreaped.execute(code, 30, pool.settings)).stdout)
+            started = {child: _stat(child)[2]}
+            ids.update(unreaped=unreaped.process.pid, reaped=reaped.process.pid)
+            for kernel in (unreaped, reaped):
+                await kill_and_wait(kernel)
+            reaped.process.poll()  # reaps it, as jupyter_client's is_alive() does
+            await pool.discard(unreaped)
+            await pool.discard(reaped)
+            return started
+        finally:
+            await pool.close()
+
+    started = asyncio.run(go())
+    left = wait_until_gone(started, DEATH_S)[0]
+    kill_all(started)
+    assert [signum for pgid, signum in signalled if pgid == ids["reaped"]] == []
+    assert (ids["unreaped"], signal.SIGKILL) in signalled
+    assert left == []
