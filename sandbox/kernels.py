@@ -622,10 +622,23 @@ class KernelPool:
         if self._closed:
             raise SandboxError("the kernel pool is closed (the sandbox is shutting down)")
         began = time.monotonic()
-        kernel = self._ready.popleft() if self._ready else await self._wait_for_kernel(began)
+        kernel = self._take_ready() or await self._wait_for_kernel(began)
         self._record_wait(time.monotonic() - began)
         self._refill()  # the shortfall this leaves starts a successor now, while the call runs
         return kernel
+
+    def _take_ready(self) -> Kernel | None:
+        """The oldest ready kernel whose process still runs, or None. One that died while it waited (the OOM
+        killer, a SIGKILL) is retired on the way, which frees its slot for a successor, instead of being handed out
+        to fail the call with KernelDied."""
+        while self._ready:
+            kernel = self._ready.popleft()
+            if not kernel.exited():
+                return kernel
+            log.warning("a ready kernel (slot %d) had exited; it is replaced", kernel.slot)
+            kernel.dead = True
+            self._spawn(self.discard(kernel))
+        return None
 
     async def _wait_for_kernel(self, began: float) -> Kernel:
         waiter: asyncio.Future[Kernel] = asyncio.get_running_loop().create_future()

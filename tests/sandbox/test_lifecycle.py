@@ -634,7 +634,7 @@ def test_the_in_process_client_waits_again_when_no_kernel_came_in_time():
     assert impatient.status == "sandbox_error" and "queue_wait_s" in impatient.error.message
 
 
-# --- dead kernels: never signalled by a recycled id --------------------------------------------------
+# --- dead kernels: never handed out, never signalled by a recycled id --------------------------------
 
 
 async def kill_and_wait(kernel: kernels.Kernel) -> None:
@@ -644,6 +644,35 @@ async def kill_and_wait(kernel: kernels.Kernel) -> None:
     while not kernel.exited():
         assert time.monotonic() < deadline, "the kernel did not die"
         await asyncio.sleep(0.01)
+
+
+def test_a_ready_kernel_that_died_is_replaced_not_handed_out():
+    """A warm kernel killed while it waits in the pool (the OOM killer, a SIGKILL) is retired when a call would
+    take it, and the call runs on another kernel instead of failing with KernelDied: stateless and in a session."""
+
+    async def go() -> list[tuple[str, str]]:
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=4, isolation="process"))
+        sessions = kernels.SessionStore(pool, max_sessions=4, idle_s=600)
+        await pool.start()
+
+        async def in_a_session() -> RunResult:
+            session = await sessions.create()
+            assert (await sessions.execute(session, "x = 6", 30)).status == "ok"
+            return await sessions.execute(session, "print(x * 7)", 30)
+
+        results = []
+        try:
+            for call in (lambda: run_stateless(pool, "print(6 * 7)", 30), in_a_session):
+                await wait_settled(pool, 1)
+                await kill_and_wait(pool._ready[0])
+                result = await call()
+                results.append((result.status, result.stdout))
+        finally:
+            await sessions.close_all()
+            await pool.close()
+        return results
+
+    assert asyncio.run(go()) == [("ok", "42\n"), ("ok", "42\n")]
 
 
 def test_a_dead_kernels_group_is_signalled_only_while_its_id_cannot_be_reused(monkeypatch):
