@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
 
-from sandbox.app import ServerSettings, create_app
+from sandbox.app import ServerSettings, create_app, open_files_needed, raise_open_files_limit
 from sandbox.configfile import ConfigError, load_config
 from sandbox.isolation import IsolationMode, detect_isolation
 from sandbox.ownership import RangeTaken, StateDirError, check_claimable
@@ -129,11 +129,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sandbox") -> 
         check_claimable(settings.pool.uid_base, settings.pool.max_kernels)
     except (RangeTaken, StateDirError, ValueError) as exc:
         raise SystemExit(f"sandbox: {exc}") from None
+    needed = open_files_needed(settings)
+    try:
+        was, limit = raise_open_files_limit(needed)
+    except ValueError as exc:
+        raise SystemExit(f"sandbox: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
     shown = dataclasses.replace(settings, token="***" if settings.token else "")
-    logging.getLogger("sandbox").info("starting with %s", shown)
+    log = logging.getLogger("sandbox")
+    log.info("starting with %s", shown)
+    log.info("open files: limit %d (was %d), %d needed at most", limit, was, needed)
     # Idle keep-alive connections live longer here than in our clients (KEEPALIVE_S): a request sent on a
     # connection the server is closing at that moment fails after sending, and a session call cannot be retried.
     app = create_app(settings)

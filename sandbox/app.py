@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import hmac
 import itertools
+import os
+import resource
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -83,6 +85,42 @@ class ServerSettings:
             )
         if self.max_running < 1 or self.max_waiting < 0 or self.max_sessions < 0:
             raise ValueError("max_running must be >= 1, max_waiting and max_sessions >= 0")
+
+
+KERNEL_OPEN_FILES = 16
+"""File descriptors the server holds per kernel: zmq sockets and their context, pipes (measured: 15.5)."""
+SERVER_OPEN_FILES = 64
+"""Those of the server itself: listening socket, event loop, standard streams, the uid range lock, and spare."""
+
+
+def open_files_needed(settings: ServerSettings) -> int:
+    """File descriptors the server may need at once: its kernels', one per connection (a session's client, a call
+    running or waiting), and its own. A session holds a kernel, so there are no more of them than kernels."""
+    connections = min(settings.max_sessions, settings.pool.max_kernels) + settings.max_running + settings.max_waiting
+    return settings.pool.max_kernels * KERNEL_OPEN_FILES + connections + SERVER_OPEN_FILES
+
+
+def raise_open_files_limit(needed: int) -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (as the Go runtime does at start): the soft limit
+    is often 1024, which 64 kernels use up. Returns (soft limit before, now); ValueError when `needed` does not fit
+    under the hard limit, saying what to change."""
+    before, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(before, needed)
+    soft = before
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # e.g. a hard limit above what the kernel allows (nr_open)
+            pass
+    if soft < needed:
+        raise ValueError(
+            f"the server may need {needed} open files ({KERNEL_OPEN_FILES} per kernel for max_kernels, one per "
+            f"connection of a session or a call running or waiting, {SERVER_OPEN_FILES} of its own), but its "
+            f"limit is {soft} (RLIMIT_NOFILE; hard limit {hard}): raise the hard limit (ulimit -Hn, systemd "
+            "LimitNOFILE=, docker --ulimit nofile=) or lower --max-kernels"
+        )
+    return before, soft
 
 
 class Overloaded(Exception):
@@ -302,6 +340,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
             "max_starting": settings.pool.max_starting,
             "kernel_waiting": pool.waiting_count,
             "kernel_waits_refused": pool.waits_refused,
+            "open_files": {
+                "open": len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None,
+                "limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                "needed": open_files_needed(settings),
+            },
         }
 
     @app.get("/metrics")

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from sandbox.app import ServerSettings, open_files_needed
 from sandbox.client import AsyncSandboxClient, InProcessClient, SandboxClient, SandboxUnavailable, SessionNotFound
 from sandbox.kernels import PoolSettings
 
@@ -30,11 +32,18 @@ def free_port() -> int:
 class Server:
     """`python -m sandbox serve` in a subprocess; stop() waits for it to exit."""
 
-    def __init__(self, *args: str, port: int | None = None, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        *args: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = ["--port", str(self.port), *args]
         self.env = {**os.environ, **(env or {})}
+        self.preexec_fn = preexec_fn  # run in the child before the server starts, e.g. to set an rlimit
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait: bool = True) -> Server:
@@ -45,6 +54,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=self.preexec_fn,
         )
         if wait:
             deadline = time.monotonic() + 60
@@ -310,6 +320,35 @@ def test_require_isolation_refuses_without_it():
         timeout=60,
     )
     assert out.returncode != 0 and "--require-isolation" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_open_files_limit_is_raised_at_start_or_the_server_refuses_kernels_that_cannot_fit():
+    """A kernel holds ~16 descriptors in the server, so a soft limit of 1024 fits some 60: the server raises it to
+    the hard limit and /healthz shows it; a hard limit too low for max_kernels stops it with one line."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    needed = open_files_needed(ServerSettings())
+    if hard < needed + 100:
+        pytest.skip(f"the hard open files limit here ({hard}) is below what the default settings need ({needed})")
+
+    def soft_limit_256() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    srv = Server("--pool-size", "1", preexec_fn=soft_limit_256).start()
+    try:
+        files = httpx.get(f"{srv.url}/healthz", timeout=10).json()["open_files"]
+    finally:
+        srv.stop()
+    assert (files["limit"], files["needed"]) == (hard, needed)
+    assert 0 < files["open"] < 256
+
+    def hard_limit_256() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    argv = [sys.executable, "-m", "sandbox", "serve", "--port", str(free_port())]
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=hard_limit_256)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.startswith(f"sandbox: the server may need {needed} open files") and "--max-kernels" in out.stderr
+    assert "limit is 256" in out.stderr
 
 
 def test_server_restart_with_clients_retrying():
