@@ -2,7 +2,8 @@
 
 Admission control keeps the service responsive under load: at most `max_running` calls run at
 once, at most `max_waiting` more wait; beyond that a call gets 429 with Retry-After at once instead
-of hanging. With a token configured, every route but /healthz needs `Authorization: Bearer <token>`.
+of hanging, and one that has not started within queue_wait_s gets 503 with Retry-After. With a token
+configured, every route but /healthz needs `Authorization: Bearer <token>`.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ ERRORS = {
         404: "unknown, closed or expired session",
         413: "code longer than max_code_chars",
         429: "overloaded; retry after Retry-After seconds",
-        503: "no kernel or session available now; retry after Retry-After seconds",
+        503: "no call slot, kernel or session in time; the code did not run: retry after Retry-After seconds",
     }.items()
 }
 
@@ -127,8 +128,12 @@ class Overloaded(Exception):
     pass
 
 
+class NoSlot(Exception):
+    pass
+
+
 class Admission:
-    """A bounded queue in front of the kernels: run, wait, or be refused at once."""
+    """A bounded queue in front of the kernels: run, wait a bounded time, or be refused at once."""
 
     def __init__(self, max_running: int, max_waiting: int):
         self.max_waiting = max_waiting
@@ -137,12 +142,15 @@ class Admission:
         self.waiting = 0
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    async def slot(self, wait_s: float) -> AsyncIterator[None]:
+        """Overloaded at once when max_waiting calls wait already; NoSlot when none is free within wait_s."""
         if self._slots.locked() and self.waiting >= self.max_waiting:
             raise Overloaded
         self.waiting += 1
         try:
-            await self._slots.acquire()
+            await asyncio.wait_for(self._slots.acquire(), wait_s)
+        except asyncio.TimeoutError:
+            raise NoSlot from None
         finally:
             self.waiting -= 1
         self.running += 1
@@ -251,20 +259,33 @@ def create_app(settings: ServerSettings) -> FastAPI:
             headers={"Retry-After": "1"},
         )
 
+    @app.exception_handler(NoSlot)
+    async def no_slot(request: Request, exc: NoSlot) -> JSONResponse:
+        metrics.rejected.inc()
+        detail = (
+            f"no call slot became free within queue_wait_s={settings.pool.queue_wait_s:g}s ({admission.running} "
+            f"running, {admission.waiting} waiting); the code did not run, retry later"
+        )
+        return JSONResponse({"detail": detail}, status_code=503, headers={"Retry-After": "1"})
+
     def timeout_of(body: ExecuteRequest) -> tuple[float, bool]:
         if len(body.code) > settings.max_code_chars:
             raise HTTPException(413, f"code has {len(body.code)} characters; the limit is {settings.max_code_chars}")
         return call_timeout(settings.pool, body.timeout_s)
 
     async def run(kind: str, call, timeout: tuple[float, bool]) -> RunResult:  # noqa: ANN001 - a coroutine factory
-        async with admission.slot():
+        """`call(wait_s)` in a call slot. Its waits, for the slot and then for a kernel, end queue_wait_s after it
+        came, in a 503 (its code never ran): so it is answered before the client's HTTP timeout, which can only
+        take it for lost (a session's state with it), however long the calls ahead run or kernels take to start."""
+        deadline = time.monotonic() + settings.pool.queue_wait_s
+        async with admission.slot(settings.pool.queue_wait_s):
             started = time.perf_counter()
             try:
-                result = await call()
+                result = await call(deadline - time.monotonic())
             except SandboxError as exc:
                 if isinstance(exc, KernelsBusy):
-                    # the call got no kernel within queue_wait_s (stateless, or a session whose kernel died),
-                    # so its code never ran: 503 with Retry-After tells the client to back off and send it again
+                    # the call got no kernel in time (stateless, or a session whose kernel died), so its code
+                    # never ran: 503 with Retry-After tells the client to back off and send it again
                     raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
                 result = RunResult(
                     status="sandbox_error",
@@ -280,19 +301,24 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/sessions", status_code=201, response_model=SessionCreated, responses=ERRORS)
     async def create_session() -> SessionCreated:
-        async with admission.slot():
-            try:
-                return SessionCreated(session_id=await sessions.create())
-            except SandboxError as exc:
-                raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
+        # No call slot: it runs no code, only waits (up to queue_wait_s) for a kernel, and max_sessions bounds how
+        # many do. Holding slots, a burst of new sessions left the calls of open sessions queued behind it.
+        try:
+            return SessionCreated(session_id=await sessions.create())
+        except SandboxError as exc:
+            raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
 
     @app.post("/v1/sessions/{session_id}/execute", response_model=RunResult, responses=ERRORS)
     async def execute_in_session(session_id: str, body: ExecuteRequest) -> RunResult:
         timeout = timeout_of(body)
         if not sessions.exists(session_id):
             raise unknown(session_id)
+
+        async def call(wait_s: float) -> RunResult:
+            return await sessions.execute(session_id, body.code, timeout[0], wait_s)
+
         try:
-            return await run("session", lambda: sessions.execute(session_id, body.code, timeout[0]), timeout)
+            return await run("session", call, timeout)
         except KeyError:  # closed or expired while waiting for a slot
             raise unknown(session_id) from None
 
@@ -305,7 +331,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.post("/v1/execute", response_model=RunResult, responses=ERRORS)
     async def execute_stateless(body: ExecuteRequest) -> RunResult:
         timeout = timeout_of(body)
-        return await run("stateless", lambda: run_stateless(pool, body.code, timeout[0]), timeout)
+        return await run("stateless", lambda wait_s: run_stateless(pool, body.code, timeout[0], wait_s), timeout)
 
     # SandboxFusion's API (sandbox/sandboxfusion.py), for stacks that call it, e.g. verl's ReTool recipe
     @app.post("/run_code", response_model=RunCodeResponse, responses={k: v for k, v in ERRORS.items() if k != 404})
@@ -317,7 +343,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 413, f"files have {files_chars} base64 characters; the limit is {settings.max_code_chars}"
             )
         code = sandboxfusion.program(body)
-        result = await run("run_code", lambda: run_stateless(pool, code, timeout[0]), timeout)
+        result = await run("run_code", lambda wait_s: run_stateless(pool, code, timeout[0], wait_s), timeout)
         return sandboxfusion.response(result)
 
     @app.get("/healthz")

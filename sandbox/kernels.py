@@ -613,16 +613,18 @@ class KernelPool:
     def start_failures(self) -> int:
         return sum(self.start_failures_by_cause.values())
 
-    async def acquire(self) -> Kernel:
+    async def acquire(self, wait_s: float | None = None) -> Kernel:
         """A warm kernel: a ready one, else the next one a start or a reset brings, first come first served.
 
-        Raises KernelsBusy when none comes within queue_wait_s (every kernel held, or starts that cannot keep
-        up with the calls), SandboxError when the pool is closed.
+        Raises KernelsBusy when none comes within `wait_s` (default queue_wait_s; less for a call that waited
+        for a run slot first) because every kernel is held or starts cannot keep up with the calls, SandboxError
+        when the pool is closed.
         """
         if self._closed:
             raise SandboxError("the kernel pool is closed (the sandbox is shutting down)")
         began = time.monotonic()
-        kernel = self._take_ready() or await self._wait_for_kernel(began)
+        wait_s = self.settings.queue_wait_s if wait_s is None else wait_s
+        kernel = self._take_ready() or await self._wait_for_kernel(began, wait_s)
         self._record_wait(time.monotonic() - began)
         self._refill()  # the shortfall this leaves starts a successor now, while the call runs
         return kernel
@@ -640,13 +642,13 @@ class KernelPool:
             self._spawn(self.discard(kernel))
         return None
 
-    async def _wait_for_kernel(self, began: float) -> Kernel:
+    async def _wait_for_kernel(self, began: float, wait_s: float) -> Kernel:
         waiter: asyncio.Future[Kernel] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._refill()  # a waiting call counts as demand: a start begins now if max_starting allows
         try:
             # Shielded: only this method cancels `waiter`, so a kernel handed to it is found below, never lost.
-            return await _wait_for(asyncio.shield(waiter), self.settings.queue_wait_s)
+            return await _wait_for(asyncio.shield(waiter), max(wait_s, 0.0))
         except asyncio.TimeoutError:
             if self._handed(waiter):  # it came in the same loop turn as the timeout
                 return waiter.result()
@@ -905,14 +907,20 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.idle_s = idle_s
         self._sessions: dict[str, Session] = {}
+        self._opening = 0  # sessions waiting for their kernel: they count against max_sessions
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    async def create(self) -> str:
-        if len(self._sessions) >= self.max_sessions:
+    async def create(self, wait_s: float | None = None) -> str:
+        """A new session's id, once it has a kernel (waiting `wait_s`, default queue_wait_s: else KernelsBusy)."""
+        if len(self._sessions) + self._opening >= self.max_sessions:
             raise SandboxError(f"the session limit ({self.max_sessions}) is reached")
-        kernel = await self.pool.acquire()
+        self._opening += 1
+        try:
+            kernel = await self.pool.acquire(wait_s)
+        finally:
+            self._opening -= 1
         session_id = uuid.uuid4().hex
         self._sessions[session_id] = Session(kernel, time.monotonic())
         return session_id
@@ -920,12 +928,13 @@ class SessionStore:
     def exists(self, session_id: str) -> bool:
         return session_id in self._sessions
 
-    async def execute(self, session_id: str, code: str, timeout_s: float) -> RunResult:
+    async def execute(self, session_id: str, code: str, timeout_s: float, wait_s: float | None = None) -> RunResult:
+        """Run `code` in the session; a session whose kernel died first waits `wait_s` for a new one (KernelsBusy)."""
         session = self._sessions[session_id]
         async with session.lock:
             session.last_used = time.monotonic()
             if session.kernel is None:  # KernelsBusy here: the code has not run, the call may be retried
-                session.kernel = await self.pool.acquire()
+                session.kernel = await self.pool.acquire(wait_s)
             result = await session.kernel.execute(code, timeout_s, self.pool.settings)
             if session.kernel.dead:
                 # Its slot is freed first and a new kernel taken only by the next call: acquiring one here could
@@ -961,8 +970,8 @@ def call_timeout(settings: PoolSettings, requested: float | None) -> tuple[float
     return min(wanted, settings.max_timeout_s), wanted > settings.max_timeout_s
 
 
-async def run_stateless(pool: KernelPool, code: str, timeout_s: float) -> RunResult:
-    kernel = await pool.acquire()
+async def run_stateless(pool: KernelPool, code: str, timeout_s: float, wait_s: float | None = None) -> RunResult:
+    kernel = await pool.acquire(wait_s)
     kernel.runs += 1
     try:
         return await kernel.execute(code, timeout_s, pool.settings)

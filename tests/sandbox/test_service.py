@@ -437,6 +437,42 @@ def test_overload_gets_429_with_retry_after():
         srv.stop()
 
 
+def test_a_call_waits_for_a_slot_at_most_queue_wait_s_and_making_a_session_takes_none():
+    """However long the calls ahead run, one waiting for a call slot gets 503 with Retry-After once queue_wait_s
+    has passed (its code never ran, so clients retry it), rather than an answer after the client's HTTP timeout,
+    which takes a session's call for lost. Making a session runs no code: it takes no slot, so running calls do not
+    hold it up."""
+    srv = Server("--pool-size", "2", "--max-kernels", "4", "--max-running", "1", "--queue-wait-s", "3").start()
+    try:
+
+        async def go() -> None:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+
+                async def ready() -> int:
+                    return (await http.get("/healthz")).json()["pool_ready"]
+
+                session = (await http.post("/v1/sessions")).json()["session_id"]
+                slow = asyncio.ensure_future(
+                    http.post("/v1/execute", json={"code": "import time; time.sleep(12)", "timeout_s": 30})
+                )
+                while (await http.get("/healthz")).json()["running"] == 0 or await ready() == 0:
+                    await asyncio.sleep(0.05)  # the one slot taken, and a kernel ready for a new session
+                started = time.monotonic()
+                created = await http.post("/v1/sessions")
+                assert created.status_code == 201 and time.monotonic() - started < 2
+                started = time.monotonic()
+                refused = await http.post(f"/v1/sessions/{session}/execute", json={"code": "print(1)"})
+                waited = time.monotonic() - started
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+                assert "queue_wait_s=3" in refused.json()["detail"] and 2.5 < waited < 10
+                assert (await http.get("/healthz")).json()["running"] == 1, "the slow call ended: this proves nothing"
+                slow.cancel()
+
+        asyncio.run(go())
+    finally:
+        srv.stop()
+
+
 def test_client_retries_until_the_server_is_up():
     srv = Server("--pool-size", "1")
     started = []
