@@ -114,9 +114,10 @@ class PoolSettings:
     """stdout and stderr are each cut to this many characters (head + marker + tail)."""
     startup_timeout_s: float = 60.0
     """A kernel that is not ready within this is a sandbox_error."""
-    stateless_reuse: int = 50
-    """Stateless runs a kernel serves (reset between them) before it is replaced, drawn per kernel from
-    [ceil(n/2), n] so kernels do not all retire together; 0 = a fresh kernel every run."""
+    stateless_reuse: int = 100
+    """At most this many stateless runs a kernel serves (reset between them) before it is replaced: each
+    kernel's own limit is drawn uniformly from [1, n] (mean about n/2), so kernels started together do not
+    retire together; 0 = a fresh kernel every run."""
     max_starting: int = field(
         default_factory=lambda: len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     )
@@ -472,6 +473,18 @@ class Kernel:
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
         remove_scratch(self.scratch)
+
+
+def reuse_limit(stateless_reuse: int) -> int:
+    """A new kernel's own limit of stateless runs: uniform in [1, stateless_reuse] (0: none, a fresh kernel a run).
+
+    Kernels that start together (the pool at start, a burst) serve their runs in turn, so with one shared limit
+    they retired in the same second and every call waited for starts (docs/sandbox.md, stateless at concurrency
+    32). Limits drawn from [n/2, n] still retired a pool's first kernels within a few seconds of each other (a
+    third of the throughput while they restarted, in the burst benchmark's third cell); from [1, n] the first
+    retirements are spread over the whole of a kernel's life, and so are all later ones.
+    """
+    return random.randint(1, stateless_reuse) if stateless_reuse else 0
 
 
 class KernelPool:
@@ -850,10 +863,7 @@ class KernelPool:
             manager.connection_file = str(scratch / "kernel.json")
             kernel = Kernel(manager, scratch, slot, self._cgroups)
             self._kernels.add(kernel)
-            # Spread retirements: with one shared limit, kernels used in turn all retire in the same second and
-            # every waiting call waits for a start (docs/sandbox.md, stateless at concurrency 32).
-            reuse = self.settings.stateless_reuse
-            kernel.reuse_limit = random.randint((reuse + 1) // 2, reuse) if reuse else 0
+            kernel.reuse_limit = reuse_limit(self.settings.stateless_reuse)
             await _wait_for(manager.start_kernel(env=kernel_env(scratch)), self.settings.startup_timeout_s)
             kernel.client = manager.client(context=manager.context)
             # No heartbeat thread: liveness comes from the manager (the client's parent), and jupyter_client's

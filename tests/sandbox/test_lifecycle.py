@@ -412,9 +412,10 @@ def test_the_pool_refills_to_its_target_in_the_background_after_a_burst():
     assert started == 3 + 6  # the first 3, and one successor per retired kernel: none started beyond the target
 
 
-def test_the_pool_shrinks_back_to_pool_size_after_a_burst_of_reusable_kernels():
+def test_the_pool_shrinks_back_to_pool_size_after_a_burst_of_reusable_kernels(monkeypatch):
     """Kernels that serve many runs (stateless_reuse) come back after a reset; those a burst made start beyond
     pool_size retire then instead of staying ready (and alive) for good."""
+    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # none retires by its own (random) limit here
 
     async def go() -> tuple[int, int]:
         pool = KernelPool(PoolSettings(pool_size=1, max_kernels=8, max_starting=2, stateless_reuse=50))
@@ -507,6 +508,8 @@ def test_warm_up_and_reset_are_not_held_to_the_per_call_caps(monkeypatch):
 
     monkeypatch.setattr(isolation.KernelMeter, "cpu_seconds", counted("cpu", cpu))
     monkeypatch.setattr(isolation.KernelMeter, "scratch_bytes", counted("scratch", scratch))
+
+    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # the kernel is reset, not replaced
 
     async def go() -> tuple[dict, dict, dict]:
         limits = Limits(call_cpu_s=5, scratch_mb=64)
@@ -718,3 +721,13 @@ def test_a_dead_kernels_group_is_signalled_only_while_its_id_cannot_be_reused(mo
     assert [signum for pgid, signum in signalled if pgid == ids["reaped"]] == []
     assert (ids["unreaped"], signal.SIGKILL) in signalled
     assert left == []
+
+
+def test_kernels_reuse_limits_spread_over_the_whole_range():
+    """Each kernel's limit of stateless runs is its own draw from [1, n]: kernels started together (a pool's first
+    ones) then retire at times spread over a kernel's whole life, not within a few seconds of each other."""
+    limits = [kernels.reuse_limit(100) for _ in range(2000)]
+    assert min(limits) >= 1 and max(limits) <= 100
+    assert sum(limit <= 25 for limit in limits) > 300  # about a quarter; none with draws from [n/2, n]
+    assert sum(limit > 75 for limit in limits) > 300
+    assert kernels.reuse_limit(0) == 0  # a fresh kernel every run
