@@ -24,9 +24,12 @@ Several servers: the HTTP clients take one URL or a list of them (same token for
 - A session call whose server cannot be connected to is retried there with backoff, `retries` times
   (nothing was sent). If it still cannot, or the call broke after it was sent, it gets a RunResult with
   status `sandbox_error` naming the server: its variables are gone, and the client never replays it
-  elsewhere (the caller may start a new session). With several servers, later calls of sessions on a
-  server known to be unreachable get that at once, until the server answers a probe again. A session on a
-  server that restarted gets SessionNotFound (404), as with one server.
+  elsewhere (the caller may start a new session). With several servers, a session call on a server known to
+  be unreachable (until it answers a probe again) gets one try instead: a dead server fails it at once, and
+  one only taken for dead still serves it. That happens: an event loop stalled past the connect timeout
+  (seconds, under heavy load) turns a connection to a live server into ConnectTimeout. A call is never
+  reported lost for what another request saw. A session on a server that restarted gets SessionNotFound
+  (404), as with one server.
 The sync client may be shared between threads (the bookkeeping is under a lock; httpx.Client is
 thread-safe). InProcessClient has no servers: one pool in this process.
 """
@@ -137,8 +140,8 @@ class _Server:
     """Pause before the next probe, should this server go down; doubles while it stays down."""
     up: bool = True
     unreachable: bool = False
-    """Down because it could not be connected to: with several servers, a session call there fails at once, until
-    the next probe."""
+    """Down because it could not be connected to: with several servers, a session call there gets one try, not the
+    retries, until the next probe."""
     retry_at: float = 0.0
     """When down: monotonic time of the next probe."""
     probing: bool = False
@@ -267,12 +270,10 @@ class _Servers:
             server.retry_at = time.monotonic() + server.down_for
             server.down_for = min(2 * server.down_for, MAX_DOWN_S)
 
-    def lost(self, server: _Server) -> str | None:
-        """Why a session call to `server` would fail now without sending it, or None to send it."""
+    def known_unreachable(self, server: _Server) -> bool:
+        """Whether a connection to `server` failed and no probe has answered since (until its next probe)."""
         with self.lock:
-            if not server.up and server.unreachable and time.monotonic() < server.retry_at:
-                return server.last_error
-            return None
+            return not server.up and server.unreachable and time.monotonic() < server.retry_at
 
     def opened(self, server: _Server, delta: int) -> None:
         with self.lock:
@@ -496,16 +497,16 @@ class SandboxClient(_Common):
     def _sticky(self, server: _Server, method: str, path: str, *, timeout_s: float | None = None, **kw: Any):
         """A call that must go to `server` (a session's). Raises _ServerLost when that server failed: the call broke
         after sending, or no connection was made in `retries + 1` tries. Those are backed off like refusals, since
-        nothing was sent: a server restarted on its port meanwhile answers (SessionNotFound, as it should)."""
-        if len(self.urls) > 1 and (error := self._servers.lost(server)) is not None:
-            raise _ServerLost(error)  # known lost: fail at once rather than hold up a trainer with other servers
+        nothing was sent: a server restarted on its port meanwhile answers (SessionNotFound, as it should). With
+        several servers, one known to be unreachable gets one try, so as not to hold up a trainer that has others."""
+        one_try = len(self.urls) > 1 and self._servers.known_unreachable(server)
         for attempt in range(self.retries + 1):
             self._servers.begin(server)
             response, error = self._send(server, method, path, timeout_s, **kw)
             outcome, message = self._servers.settle(server, response, error, method, path)
             if outcome == "ok":
                 return _check(response, f"{server.url}{path}")
-            if outcome == "failed":
+            if outcome == "failed" or (outcome == "unreachable" and one_try):
                 raise _ServerLost(message) from error
             if attempt < self.retries:
                 time.sleep(_delay(attempt, self.backoff_s, response))
@@ -641,15 +642,14 @@ class AsyncSandboxClient(_Common):
             last = response
 
     async def _sticky(self, server: _Server, method: str, path: str, *, timeout_s: float | None = None, **kw: Any):
-        if len(self.urls) > 1 and (error := self._servers.lost(server)) is not None:
-            raise _ServerLost(error)
+        one_try = len(self.urls) > 1 and self._servers.known_unreachable(server)
         for attempt in range(self.retries + 1):
             self._servers.begin(server)
             response, error = await self._send(server, method, path, timeout_s, **kw)
             outcome, message = self._servers.settle(server, response, error, method, path)
             if outcome == "ok":
                 return _check(response, f"{server.url}{path}")
-            if outcome == "failed":
+            if outcome == "failed" or (outcome == "unreachable" and one_try):
                 raise _ServerLost(message) from error
             if attempt < self.retries:
                 await asyncio.sleep(_delay(attempt, self.backoff_s, response))

@@ -275,3 +275,35 @@ def test_a_server_killed_mid_call(servers: list[Server]):
                 await client.close_session(sid)
 
     asyncio.run(go())
+
+
+def test_a_session_call_is_not_lost_for_a_connect_timeout_another_request_saw(servers: list[Server]):
+    """An event loop stalled past the connect timeout (seconds, on a loaded machine) turns a connection to a live
+    server into ConnectTimeout, and the server is then taken for unreachable until its next probe. A session call
+    there makes its own try and is served, and closing the session reaches the server, rather than the call coming
+    back "lost with its server" at once and the session staying open there."""
+    timed_out = httpx.ConnectTimeout("timed out")  # what another request of this client saw
+
+    async def go() -> int:
+        async with AsyncSandboxClient(urls(servers), down_backoff_s=600) as client:
+            session = await client.create_session()
+            assert (await client.execute("x = 41", session)).status == "ok"
+            server = client._servers.list[int(session.split("-")[0])]
+            client._servers.settle(server, None, timed_out, "POST", "/v1/execute")
+            assert not client.server_stats()[server.index]["up"]
+            assert printed(await client.execute("print(x + 1)", session)) == "42\n"
+            assert client.server_stats()[server.index]["up"]  # it answered
+            client._servers.settle(server, None, timed_out, "POST", "/v1/execute")
+            await client.close_session(session)
+            return server.index
+
+    index = asyncio.run(go())
+    assert health(urls(servers)[index])["sessions"] == 0
+    with SandboxClient(urls(servers), down_backoff_s=600) as client:  # the sync client alike
+        session = client.create_session()
+        server = client._servers.list[int(session.split("-")[0])]
+        client._servers.settle(server, None, timed_out, "POST", "/v1/execute")
+        assert printed(client.execute("print(6 * 7)", session)) == "42\n"
+        client._servers.settle(server, None, timed_out, "POST", "/v1/execute")
+        client.close_session(session)
+    assert health(server.url)["sessions"] == 0
