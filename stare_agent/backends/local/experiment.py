@@ -93,7 +93,7 @@ def prepare(config: ExperimentConfig, run_dir: Path) -> dict[str, Path]:
                 )
             )
             finished.write_text(f"{checkpoint}\n")
-        _keep_sft(config, run_dir, files, checkpoint)
+        _keep_sft(config, files, checkpoint)
         _evaluate(config, run_dir, "eval-sft", checkpoint, files["test"], seed)
         _keep(config, run_dir, "eval-sft")
     return {**files, "sft_model": checkpoint}
@@ -166,7 +166,7 @@ def _keep(config: ExperimentConfig, run_dir: Path, *names: str) -> None:
         _copy_files(files, Path(config.results_dir) / name)
 
 
-def _keep_sft(config: ExperimentConfig, run_dir: Path, data: dict[str, Path], checkpoint: Path) -> None:
+def _keep_sft(config: ExperimentConfig, data: dict[str, Path], checkpoint: Path) -> None:
     """The data and the SFT model into the results folder, unless it has them (then they were restored)."""
     results = Path(config.results_dir)
     if config.results_dir and not (results / SFT_KEPT).exists():
