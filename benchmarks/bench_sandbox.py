@@ -29,11 +29,17 @@ calls that succeeded, ok calls/s, 429s, 503s, timeouts, kernels the server start
 most it had starting at once so far (/healthz), then the p99 and calls/s ratios of each concurrency to the
 first (p99 32/8 is the issue's measure of queueing). --compare-max-starting N repeats the burst section on
 a second server started with --max-starting N (0 = no bound on concurrent starts, the behaviour before that
-setting), after the first is stopped, and prints before/after ratios; --burst-only skips everything else.
+setting), after the first is stopped, and prints before/after ratios; --compare-code DIR does the same with
+a second server run from another checkout's sandbox package (a code change's before/after, same flags);
+--burst-only skips everything else. Each burst row also counts the kernels retired during the cell, by cause
+(/healthz kernels_retired_by_cause), and the server's and kernels' CPU per call.
 
 Run: .venv/bin/python benchmarks/bench_sandbox.py [--help]   (about 3 to 5 minutes on 2 idle cores)
   before/after of the kernel-start bound only:
      .venv/bin/python benchmarks/bench_sandbox.py --burst-only --compare-max-starting 0 --json burst.json
+  before/after of a code change (the main server runs this checkout, the second the worktree):
+     git worktree add /tmp/before COMMIT
+     .venv/bin/python benchmarks/bench_sandbox.py --burst-only --compare-code /tmp/before --json burst.json
 """
 
 from __future__ import annotations
@@ -393,13 +399,13 @@ async def wait_settled(client: AsyncSandboxClient, pool_size: int, timeout_s: fl
 
 
 async def bench_burst(
-    args: argparse.Namespace, client: AsyncSandboxClient, url: str, pid: int, marker: str
+    args: argparse.Namespace, client: AsyncSandboxClient, url: str, pid: int, marker: str, label: str | None = None
 ) -> list[dict]:
     """The burst section on one server: a row (Result and the server's kernel counts) per concurrency."""
     rows = []
     for c in args.burst_concurrency:
         before = await wait_settled(client, args.pool_size, 120)
-        label = f"max_starting={before.get('max_starting', '?')}"
+        label = label or f"max_starting={before.get('max_starting', '?')}"
         res = await measure_burst(
             url, label, c, args.burst_calls, args.burst_max_s, args.burst_http_timeout_s, pid, marker
         )
@@ -408,6 +414,11 @@ async def bench_burst(
             "kernel_starts": after.get("kernels_started", 0) - before.get("kernels_started", 0),
             "starting_peak": after.get("kernels_starting_peak"),
             "start_failures": after["kernel_start_failures"] - before["kernel_start_failures"],
+            # by cause (absent from servers older than these counts): why the kernels started meanwhile were needed
+            "retired": {
+                cause: n - before.get("kernels_retired_by_cause", {}).get(cause, 0)
+                for cause, n in after.get("kernels_retired_by_cause", {}).items()
+            },
         }
         rows.append({"result": res, **counts})
         print(
@@ -487,8 +498,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def bench_http(args: argparse.Namespace, url: str, server_pid: int, marker: str, main_cases: bool) -> dict:
-    """The session and stateless cases and the profile (when main_cases), then the burst section."""
+async def bench_http(
+    args: argparse.Namespace, url: str, server_pid: int, marker: str, main_cases: bool, label: str | None = None
+) -> dict:
+    """The session and stateless cases and the profile (when main_cases), then the burst section (its rows named
+    `label`, default: the server's max_starting)."""
     out: dict = {"results": []}
     async with AsyncSandboxClient(url, retries=0, timeout_s=120.0, max_connections=256) as client:
         health = await wait_pool(client, args.pool_size, 180)
@@ -496,7 +510,7 @@ async def bench_http(args: argparse.Namespace, url: str, server_pid: int, marker
         print(f"isolation: {json.dumps(health['isolation'])}", flush=True)
         if main_cases:
             await bench_main_cases(args, client, server_pid, marker, out)
-        out["burst"] = await bench_burst(args, client, url, server_pid, marker)
+        out["burst"] = await bench_burst(args, client, url, server_pid, marker, label)
         final = await client.health()
         out["kernel_start_failures"] = final["kernel_start_failures"]
         metrics = (await client._http.get("/metrics")).text
@@ -583,18 +597,20 @@ def verdicts(results: list[Result]) -> list[str]:
     return lines
 
 
-def code_version() -> str:
+def code_version(repo: Path = REPO) -> str:
     """A short hash of sandbox/*.py, so that numbers can be tied to the code they measured."""
     digest = hashlib.sha256()
-    for path in sorted((REPO / "sandbox").glob("*.py")):
+    for path in sorted((repo / "sandbox").glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
 
 @contextlib.contextmanager
-def serve(flags: list[str], workdir: Path, kernel_root: Path) -> Iterator[tuple[subprocess.Popen, str, list[int]]]:
-    """The server with these flags, until it answers /healthz: (process, URL, the pids it left behind, filled in
-    once it is stopped, with its kernels, on leaving the block)."""
+def serve(
+    flags: list[str], workdir: Path, kernel_root: Path, repo: Path = REPO
+) -> Iterator[tuple[subprocess.Popen, str, list[int]]]:
+    """The server with these flags (its code: `repo`'s sandbox package), until it answers /healthz: (process, URL,
+    the pids it left behind, filled in once it is stopped, with its kernels, on leaving the block)."""
     pool: dict = {"scratch_root": str(kernel_root)}
     config = workdir / "server.yaml"
     config.write_text(json.dumps({"pool": pool}))  # JSON is YAML
@@ -606,7 +622,8 @@ def serve(flags: list[str], workdir: Path, kernel_root: Path) -> Iterator[tuple[
     url = f"http://127.0.0.1:{port}"
     log_path = workdir / "server.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        # run from `repo`, so that `-m sandbox` is its package (the script's own, or --compare-code's)
+        proc = subprocess.Popen(cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT)
     left: list[int] = []
     try:
         deadline = time.monotonic() + 60
@@ -640,11 +657,15 @@ def run_all(args: argparse.Namespace, workdir: Path) -> tuple[list[Result], dict
     flags = server_flags(args)
     with serve(flags, workdir, kernel_root) as (proc, url, left):
         http_out = asyncio.run(bench_http(args, url, proc.pid, str(kernel_root), main_cases=not args.burst_only))
-    if args.compare_max_starting is not None:
-        other = [f for f in flags if not f.startswith("--max-starting=")]
-        other.append(f"--max-starting={args.compare_max_starting}")
-        with serve(other, workdir, kernel_root) as (proc, url, left_too):
-            compared = asyncio.run(bench_http(args, url, proc.pid, str(kernel_root), main_cases=False))
+    if args.compare_max_starting is not None or args.compare_code is not None:
+        other, repo, label = flags, REPO, None
+        if args.compare_max_starting is not None:
+            other = [f for f in flags if not f.startswith("--max-starting=")]
+            other.append(f"--max-starting={args.compare_max_starting}")
+        if args.compare_code is not None:
+            repo, label = args.compare_code.resolve(), f"code {code_version(args.compare_code)}"
+        with serve(other, workdir, kernel_root, repo) as (proc, url, left_too):
+            compared = asyncio.run(bench_http(args, url, proc.pid, str(kernel_root), main_cases=False, label=label))
         http_out["burst"] += compared["burst"]
         http_out["kernel_start_failures"] += compared["kernel_start_failures"]
         http_out["rejected_429"] += compared["rejected_429"]
@@ -674,6 +695,7 @@ def burst_json(rows: list[dict]) -> list[dict]:
                 "kernel_starts": row["kernel_starts"],
                 "kernels_starting_peak": row["starting_peak"],
                 "kernel_start_failures": row["start_failures"],
+                "kernels_retired": row["retired"],
                 "cpu": r.cpu,
             }
         )
@@ -707,7 +729,7 @@ def burst_ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
 def print_burst(rows: list[dict]) -> None:
     head = (
         f"{'server':16s} {'c':>4s} {'n ok':>5s} {'p50 ms':>8s} {'p99 ms':>8s} {'calls/s':>8s} {'429':>5s} "
-        f"{'503':>5s} {'timeout':>7s} {'other':>5s} {'starts':>6s} {'peak':>4s}"
+        f"{'503':>5s} {'timeout':>7s} {'other':>5s} {'starts':>6s} {'peak':>4s} {'srv ms':>6s} {'krn ms':>6s}  retired"
     )
     print(head)
     print("-" * len(head))
@@ -716,11 +738,14 @@ def print_burst(rows: list[dict]) -> None:
         print(
             f"{row['server']:16s} {row['concurrency']:4d} {row['n_ok']:5d} {fmt(row['p50_ms']):>8s} "
             f"{fmt(row['p99_ms']):>8s} {fmt(row['calls_per_s']):>8s} {row['http_429']:5d} {row['http_503']:5d} "
-            f"{row['timeouts']:7d} {other:5d} {row['kernel_starts']:6d} {row['kernels_starting_peak'] or 0:4d}"
+            f"{row['timeouts']:7d} {other:5d} {row['kernel_starts']:6d} {row['kernels_starting_peak'] or 0:4d} "
+            f"{fmt(row['cpu']['server']):>6s} {fmt(row['cpu']['kernels']):>6s}  "
+            + (", ".join(f"{cause} {n}" for cause, n in row["kernels_retired"].items() if n) or "-")
         )
     print(
         "starts: kernel starts the server completed during the cell; peak: the most it had starting at once so far; "
-        "p50/p99 over the calls that succeeded"
+        "p50/p99 over the calls that succeeded; srv ms, krn ms: CPU ms per call of the server process and of the "
+        "kernels; retired: kernels stopped during the cell, by cause"
     )
     for server, values in burst_ratios(rows).items():
         print(f"  {server}: " + ", ".join(f"{name} = {fmt(v, 2)}" for name, v in values.items()))
@@ -757,6 +782,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="N",
         help="repeat the burst section on a second server with --max-starting N (0: no bound, as before it)",
+    )
+    parser.add_argument(
+        "--compare-code",
+        type=Path,
+        metavar="DIR",
+        help="repeat the burst section on a second server run from the sandbox package of the checkout DIR "
+        "(e.g. `git worktree add /tmp/before COMMIT`), same flags: before/after of a code change",
     )
     parser.add_argument("--burst-only", action="store_true", help="no baseline, session/stateless cases or profile")
     parser.add_argument("--isolation", choices=["auto", "namespaces", "process"], default="auto")

@@ -185,7 +185,8 @@ class Metrics:
         self.registry.register(self)  # collect() below
 
     def collect(self) -> Iterator[Metric]:
-        """The pool's counts as they are now: kernel starts, failed starts by cause, waits for a kernel."""
+        """The pool's counts as they are now: kernel starts, failed starts and retirements by cause, waits for a
+        kernel."""
         pool = self.pool
         yield CounterMetricFamily("sandbox_kernel_starts", "Kernels started and warmed up", value=pool.kernels_started)
         failures = CounterMetricFamily(
@@ -194,6 +195,12 @@ class Metrics:
         for cause in KernelPool.FAILURE_CAUSES:
             failures.add_metric([cause], pool.start_failures_by_cause[cause])
         yield failures
+        retired = CounterMetricFamily(
+            "sandbox_kernel_retirements", "Kernels stopped while the pool runs, by cause", labels=["cause"]
+        )
+        for cause in KernelPool.RETIRE_CAUSES:
+            retired.add_metric([cause], pool.retired_by_cause[cause])
+        yield retired
         yield GaugeMetricFamily(
             "sandbox_kernels_starting", "Kernels being started (at most max_starting)", value=pool.starting_count
         )
@@ -361,6 +368,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             "kernel_start_failures": pool.start_failures,
             "kernel_start_failures_by_cause": {c: pool.start_failures_by_cause[c] for c in KernelPool.FAILURE_CAUSES},
             "kernels_started": pool.kernels_started,
+            "kernels_retired_by_cause": {c: pool.retired_by_cause[c] for c in KernelPool.RETIRE_CAUSES},
             "kernels_starting": pool.starting_count,
             "kernels_starting_peak": pool.starting_peak,
             "max_starting": settings.pool.max_starting,

@@ -292,6 +292,7 @@ class Kernel:
         self.slot = slot
         self.runs = 0  # stateless runs served, resets and warm-up not counted
         self.reuse_limit = 0  # stateless runs before replacement; set by the pool
+        self.lent = False  # out for one stateless run, after which it comes back (counted by the pool as coming)
         self.dead = False
         self.closing = False  # shutdown() was called
         self._stopping = asyncio.Lock()
@@ -493,14 +494,21 @@ class KernelPool:
     The pool keeps `pool_size` kernels ready beyond the calls waiting for one. Kernels are started only in the
     background (`_refill`), at most `max_starting` at once, so a burst never has every call starting its own
     kernel on cores that are busy running code. A call takes a ready kernel or waits, first come first served,
-    for the next one a start brings or a reset gives back, up to `queue_wait_s` (then `KernelsBusy`). Taking a
-    ready kernel leaves a shortfall that starts a successor at once, while the call runs: a kernel that retires
-    after the run (dead, or its `stateless_reuse` runs served) has its successor under way already.
+    for the next one a start brings or a reset gives back, up to `queue_wait_s` (then `KernelsBusy`). A kernel
+    lent for a stateless run that is not its last counts as coming back, as one being reset does; one a session
+    takes, or one whose run is its last (`reuse_limit`), leaves a shortfall that starts a successor at once, while
+    it is in use. (Counting every lent kernel as missing started a successor for each call on a full pool, which
+    retired as surplus when the lent kernel came back: a kernel start, ~0.5 CPU-s, per call.)
     """
 
     FAILURE_CAUSES = ("timeout", "died", "warmup", "error")
     """Why a kernel start failed: not ready within startup_timeout_s; its process exited while starting; the
     warm-up code failed; anything else (e.g. it could not be launched). Cancellation at shutdown is none."""
+    RETIRE_CAUSES = ("reused", "died", "reset_failed", "surplus", "session")
+    """Why a kernel was retired (stopped while the pool runs): it served its reuse_limit of stateless runs; it
+    died (found dead after a call, or before a call would take it); its reset after a run failed; it came back
+    when pool_size were ready already and no call waited; its session was closed or expired. Stops at close()
+    are none."""
     WAIT_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
     """Upper bounds (inclusive) of the buckets of `wait_counts`; its last bucket holds longer waits."""
     START_RETRY_S = 1.0
@@ -516,6 +524,7 @@ class KernelPool:
         self._background: set[asyncio.Task] = set()
         self._starting = 0  # kernels being started; each holds a slot
         self._returning = 0  # stateless kernels being reset that will be ready again
+        self._lent = 0  # kernels out for a stateless run after which they come back (Kernel.lent)
         self._retry_at = 0.0  # time.monotonic() before which no start begins (set after a failed start)
         self._closed = False
         # Every kernel whose process may exist: starting, ready, in use (session or stateless run) or resetting.
@@ -526,6 +535,7 @@ class KernelPool:
         # Counts for /healthz and /metrics (they only grow).
         self.kernels_started = 0
         self.start_failures_by_cause: collections.Counter[str] = collections.Counter()  # keys: FAILURE_CAUSES
+        self.retired_by_cause: collections.Counter[str] = collections.Counter()  # keys: RETIRE_CAUSES
         self.starting_peak = 0  # most kernels starting at once so far: at most max_starting when that is > 0
         self.waits_refused = 0  # calls that got no kernel within queue_wait_s (KernelsBusy)
         self.wait_counts = [0] * (len(self.WAIT_BUCKETS_S) + 1)  # acquire calls by seconds waited, per bucket
@@ -626,9 +636,11 @@ class KernelPool:
     def start_failures(self) -> int:
         return sum(self.start_failures_by_cause.values())
 
-    async def acquire(self, wait_s: float | None = None) -> Kernel:
+    async def acquire(self, wait_s: float | None = None, *, stateless: bool = False) -> Kernel:
         """A warm kernel: a ready one, else the next one a start or a reset brings, first come first served.
 
+        `stateless`: for one run, after which the caller gives it back (give_back_later); unless the run is its
+        last, it counts as coming back meanwhile, and no successor starts for it.
         Raises KernelsBusy when none comes within `wait_s` (default queue_wait_s; less for a call that waited
         for a run slot first) because every kernel is held or starts cannot keep up with the calls, SandboxError
         when the pool is closed.
@@ -639,6 +651,9 @@ class KernelPool:
         wait_s = self.settings.queue_wait_s if wait_s is None else wait_s
         kernel = self._take_ready() or await self._wait_for_kernel(began, wait_s)
         self._record_wait(time.monotonic() - began)
+        if stateless and kernel.runs + 1 < kernel.reuse_limit:
+            kernel.lent = True
+            self._lent += 1
         self._refill()  # the shortfall this leaves starts a successor now, while the call runs
         return kernel
 
@@ -652,7 +667,7 @@ class KernelPool:
                 return kernel
             log.warning("a ready kernel (slot %d) had exited; it is replaced", kernel.slot)
             kernel.dead = True
-            self._spawn(self.discard(kernel))
+            self._spawn(self.discard(kernel, "died"))
         return None
 
     async def _wait_for_kernel(self, began: float, wait_s: float) -> Kernel:
@@ -694,7 +709,7 @@ class KernelPool:
                 waiter.set_result(kernel)
                 return
         if len(self._ready) >= self.settings.pool_size:
-            self._spawn(self.discard(kernel))
+            self._spawn(self.discard(kernel, "surplus"))
         else:
             self._ready.append(kernel)
 
@@ -706,9 +721,13 @@ class KernelPool:
         """After a stateless run, in the background so that the caller's result is not delayed: reset the kernel
         and make it ready again, or retire it (dead, its reuse_limit reached, or the pool closing).
 
-        A kernel to be reset counts as coming from now on, so no start begins on its account; one that retires
-        does not count, and its successor, if the pool needs one, began when the call took it (acquire).
+        A kernel to be reset counts as coming from now on (as it did while lent), so no start begins on its account.
+        One that retires does not count: if the run was its last, its successor began when the call took it
+        (acquire); if it died, a successor starts once it is stopped (discard), if the pool needs one.
         """
+        if kernel.lent:
+            kernel.lent = False
+            self._lent -= 1
         returning = not kernel.dead and kernel.runs < kernel.reuse_limit and not self._closed
         self._returning += returning
         self._spawn(self._reset_or_retire(kernel, returning))
@@ -721,16 +740,21 @@ class KernelPool:
                 reset_ok = reset.status == "ok" and not kernel.dead and not self._closed
         except BaseException:
             self._returning -= returning
-            await _run_to_end(self.discard(kernel))
+            await _run_to_end(self.discard(kernel, None if self._closed else "reset_failed"))
             raise
         self._returning -= returning
         if reset_ok:
             self._hand(kernel)
+        elif not self._closed:
+            await self.discard(kernel, "died" if kernel.dead else "reset_failed" if returning else "reused")
         else:
             await self.discard(kernel)
 
-    async def discard(self, kernel: Kernel) -> None:
-        """Stop a kernel that will not be used again; its slot is free again for a successor."""
+    async def discard(self, kernel: Kernel, cause: str | None = None) -> None:
+        """Stop a kernel that will not be used again; its slot is free again for a successor. `cause` (one of
+        RETIRE_CAUSES) is counted in retired_by_cause."""
+        if cause is not None:
+            self.retired_by_cause[cause] += 1
         await self._stop(kernel)
         self._free_slots.append(kernel.slot)
         self._refill()
@@ -816,7 +840,7 @@ class KernelPool:
             self._spawn(self._start_in_background(self._free_slots.pop(0)))
 
     def _shortfall(self) -> int:
-        coming = len(self._ready) + self._starting + self._returning
+        coming = len(self._ready) + self._starting + self._returning + self._lent
         return self.settings.pool_size + len(self._waiters) - coming
 
     async def _start_in_background(self, slot: int) -> None:
@@ -950,7 +974,7 @@ class SessionStore:
                 # Its slot is freed first and a new kernel taken only by the next call: acquiring one here could
                 # wait for the very slot the dead kernel holds (max_kernels) and lose this call's result.
                 dead, session.kernel = session.kernel, None
-                await self.pool.discard(dead)
+                await self.pool.discard(dead, "died")
             session.last_used = time.monotonic()
             return result
 
@@ -960,7 +984,7 @@ class SessionStore:
             return False
         async with session.lock:
             if session.kernel is not None:
-                await self.pool.discard(session.kernel)
+                await self.pool.discard(session.kernel, "session")
         return True
 
     async def expire(self) -> int:
@@ -981,7 +1005,7 @@ def call_timeout(settings: PoolSettings, requested: float | None) -> tuple[float
 
 
 async def run_stateless(pool: KernelPool, code: str, timeout_s: float, wait_s: float | None = None) -> RunResult:
-    kernel = await pool.acquire(wait_s)
+    kernel = await pool.acquire(wait_s, stateless=True)
     kernel.runs += 1
     try:
         return await kernel.execute(code, timeout_s, pool.settings)

@@ -430,6 +430,7 @@ def test_the_pool_shrinks_back_to_pool_size_after_a_burst_of_reusable_kernels(mo
             while pool.starting_count or pool._returning or pool.alive_count != pool.ready_count:
                 assert time.monotonic() < deadline, "resets and retirements did not settle"
                 await asyncio.sleep(0.05)
+            assert dict(pool.retired_by_cause) == {"surplus": pool.kernels_started - 1}  # all came back but one
             return pool.ready_count, pool.kernels_started
         finally:
             await pool.close()
@@ -614,7 +615,10 @@ def test_a_stateless_call_that_gets_no_kernel_in_time_gets_503_with_retry_after_
             assert f"sandbox_kernel_wait_seconds_count {refusals + 1:.1f}" in metrics  # and the session's wait
             assert 'sandbox_kernel_start_failures_total{cause="timeout"} 0.0' in metrics
             assert "sandbox_kernel_starts_total 1.0" in metrics and "sandbox_kernels_starting 0.0" in metrics
+            assert 'sandbox_kernel_retirements_total{cause="session"} 0.0' in metrics
             client.close_session(session)
+            assert client.health()["kernels_retired_by_cause"]["session"] == 1
+            assert 'sandbox_kernel_retirements_total{cause="session"} 1.0' in httpx.get(f"{srv.url}/metrics").text
         with SandboxClient(srv.url, retries=30, backoff_s=0.2) as client:  # the kernel start may take a while here
             assert client.execute("print(3)").stdout == "3\n"
     finally:
@@ -676,6 +680,51 @@ def test_a_ready_kernel_that_died_is_replaced_not_handed_out():
         return results
 
     assert asyncio.run(go()) == [("ok", "42\n"), ("ok", "42\n")]
+
+
+def test_retirements_are_counted_by_cause_and_a_lent_kernel_that_comes_back_has_no_successor(monkeypatch):
+    """Each way a kernel leaves a running pool is counted under its own cause (/healthz, /metrics): its reuse limit
+    served, its death found after a call, a failed reset, its session closed. A stateless run that is not its
+    kernel's last starts no successor (the kernel comes back): no start, no surplus retirement."""
+    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # a kernel retires after exactly stateless_reuse runs
+
+    async def go() -> list[tuple[dict[str, int], int]]:
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=4, isolation="process", stateless_reuse=3))
+        sessions = kernels.SessionStore(pool, max_sessions=4, idle_s=600)
+        await pool.start()
+        seen = []
+
+        def note() -> None:
+            seen.append((dict(pool.retired_by_cause), pool.kernels_started))
+
+        try:
+            await wait_settled(pool, 1)
+            for i in range(3):  # the same kernel three times, then it retires
+                assert (await run_stateless(pool, f"print({i})", 30)).stdout == f"{i}\n"
+                await wait_settled(pool, 1)
+                note()
+            session = await sessions.create()
+            await kill_and_wait(sessions._sessions[session].kernel)
+            assert (await sessions.execute(session, "print(2)", 30)).error.name == "KernelDied"
+            assert (await sessions.execute(session, "print(3)", 30)).stdout == "3\n"  # on a new kernel
+            await sessions.close(session)
+            await wait_settled(pool, 1)
+            note()
+            monkeypatch.setattr(kernels, "RESET_CODE", "raise RuntimeError('no reset')\n")
+            assert (await run_stateless(pool, "print(4)", 30)).stdout == "4\n"
+            await wait_settled(pool, 1)
+            note()
+        finally:
+            await pool.close()
+        return seen
+
+    assert asyncio.run(go()) == [
+        ({}, 1),  # lent and back: no start
+        ({}, 1),
+        ({"reused": 1}, 2),  # its last run: a successor
+        ({"reused": 1, "died": 1, "session": 1}, 4),  # the session's two kernels each had a successor
+        ({"reused": 1, "died": 1, "session": 1, "reset_failed": 1}, 5),
+    ]
 
 
 def test_a_dead_kernels_group_is_signalled_only_while_its_id_cannot_be_reused(monkeypatch):
