@@ -434,15 +434,22 @@ class SandboxClient(_Common):
         down_backoff_s: float = 1.0,
     ):
         super().__init__(base_url, token, retries, backoff_s, timeout_s, down_backoff_s)
-        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)
-        # base_url: the first server, for relative requests made on `_http` directly; this client's own
-        # requests all carry a full URL.
-        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, limits=limits)
+        # One connection pool per server, none of whose idle connections is closed before keep-alive expiry
+        # (max_keepalive_connections = max_connections). httpcore 1.0.9 can close an idle connection it has just
+        # handed to a queued request, after that request was sent (encode/httpcore#1110): it fails after sending
+        # (ReadError) although the server ran it. A pool shared by all servers did that when full, closing an idle
+        # connection to one server to open one to another (a session creation lost in about one run in five of
+        # tests/sandbox/test_soak.py), and so does the clean-up of connections beyond max_keepalive_connections.
+        # Keep-alive expiry can still do it, in the moment between a request being given a connection and its start.
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_S)
+        self._pools = [httpx.Client(base_url=url, headers=self.headers, limits=limits) for url in self.urls]
+        self._http = self._pools[0]  # the first server's, for relative requests made on it directly
 
     def _send(self, server: _Server, method: str, path: str, timeout_s: float | None, **kw: Any):
         """(response, None) or (None, transport error); `server` was counted in flight and is released here."""
         try:
-            return self._http.request(method, server.url + path, timeout=self._http_timeout(timeout_s), **kw), None
+            http = self._pools[server.index]
+            return http.request(method, server.url + path, timeout=self._http_timeout(timeout_s), **kw), None
         except httpx.TransportError as exc:
             if isinstance(exc, httpx.PoolTimeout):  # our own connection pool is full: no server's fault
                 raise SandboxUnavailable(f"{method} {server.url}{path}: no free connection in this client") from exc
@@ -456,7 +463,8 @@ class SandboxClient(_Common):
         try:
             for server in servers:
                 try:
-                    response, error = self._http.get(server.url + "/healthz", timeout=PROBE_TIMEOUT), None
+                    http = self._pools[server.index]
+                    response, error = http.get(server.url + "/healthz", timeout=PROBE_TIMEOUT), None
                 except httpx.TransportError as exc:
                     response, error = None, exc
                 answers.append(self._probe_result(server, response, error))
@@ -557,7 +565,8 @@ class SandboxClient(_Common):
             pass  # already gone (expired, the server restarted, or never made here): nothing to close
 
     def close(self) -> None:
-        self._http.close()
+        for http in self._pools:
+            http.close()
 
     def __enter__(self) -> SandboxClient:
         return self
@@ -584,12 +593,14 @@ class AsyncSandboxClient(_Common):
         limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
         )
-        # max_connections counts all servers together. base_url: as in SandboxClient.
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, limits=limits)
+        # max_connections per server: one connection pool each, as in SandboxClient (see there); _http too.
+        self._pools = [httpx.AsyncClient(base_url=url, headers=self.headers, limits=limits) for url in self.urls]
+        self._http = self._pools[0]
 
     async def _send(self, server: _Server, method: str, path: str, timeout_s: float | None, **kw: Any):
         try:
-            response = await self._http.request(method, server.url + path, timeout=self._http_timeout(timeout_s), **kw)
+            http = self._pools[server.index]
+            response = await http.request(method, server.url + path, timeout=self._http_timeout(timeout_s), **kw)
             return response, None
         except httpx.TransportError as exc:
             if isinstance(exc, httpx.PoolTimeout):
@@ -600,7 +611,8 @@ class AsyncSandboxClient(_Common):
 
     async def _probe_one(self, server: _Server) -> dict | None:
         try:
-            response, error = await self._http.get(server.url + "/healthz", timeout=PROBE_TIMEOUT), None
+            http = self._pools[server.index]
+            response, error = await http.get(server.url + "/healthz", timeout=PROBE_TIMEOUT), None
         except httpx.TransportError as exc:
             response, error = None, exc
         except BaseException:  # cancelled: leave it as it was
@@ -698,7 +710,7 @@ class AsyncSandboxClient(_Common):
             pass
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await asyncio.gather(*(http.aclose() for http in self._pools))
 
     async def __aenter__(self) -> AsyncSandboxClient:
         return self

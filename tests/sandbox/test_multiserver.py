@@ -307,3 +307,23 @@ def test_a_session_call_is_not_lost_for_a_connect_timeout_another_request_saw(se
         client._servers.settle(server, None, timed_out, "POST", "/v1/execute")
         client.close_session(session)
     assert health(server.url)["sessions"] == 0
+
+
+def test_each_server_has_its_own_connections(servers: list[Server]):
+    """A client's connection limit is per server: a call to one server does not wait for (or take) a connection
+    of another's. (One pool for all servers, when full, closed an idle connection to one server to open one to
+    another, which httpcore can do to a connection it has just handed to a request: it failed after sending.)"""
+
+    async def go() -> tuple[str, bool]:
+        async with AsyncSandboxClient(urls(servers)[:2], max_connections=1) as client:
+            session = await client.create_session()
+            try:
+                slow = asyncio.create_task(client.execute("import time; time.sleep(6); print('slow')", session))
+                await asyncio.sleep(1)  # the slow call holds its server's only connection
+                quick = await asyncio.wait_for(client.execute("print('quick')"), 5)  # stateless: the idle server
+                return printed(quick), slow.done()
+            finally:
+                assert printed(await slow) == "slow\n"
+                await client.close_session(session)
+
+    assert asyncio.run(go()) == ("quick\n", False)
