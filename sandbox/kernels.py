@@ -491,9 +491,9 @@ def reuse_limit(stateless_reuse: int) -> int:
 class KernelPool:
     """Starts kernels ahead of demand and hands them out; knows nothing about HTTP.
 
-    The pool keeps `pool_size` kernels ready beyond the calls waiting for one. Kernels are started only in the
-    background (`_refill`), at most `max_starting` at once, so a burst never has every call starting its own
-    kernel on cores that are busy running code. A call takes a ready kernel or waits, first come first served,
+    The pool keeps `pool_size` kernels ready (or coming back, below) beyond the calls waiting for one. Kernels are
+    started only in the background (`_refill`), at most `max_starting` at once, so a burst never has every call
+    starting its own kernel on cores that are busy running code. A call takes a ready kernel or waits, first come first served,
     for the next one a start brings or a reset gives back, up to `queue_wait_s` (then `KernelsBusy`). A kernel
     lent for a stateless run that is not its last counts as coming back, as one being reset does; one a session
     takes, or one whose run is its last (`reuse_limit`), leaves a shortfall that starts a successor at once, while
