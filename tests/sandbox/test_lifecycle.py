@@ -116,7 +116,8 @@ from sandbox.client import InProcessClient
 from sandbox.kernels import PoolSettings
 
 async def main(root: Path, isolation: str, ready: Path) -> None:
-    settings = PoolSettings(pool_size=2, max_kernels=8, isolation=isolation, scratch_root=str(root))
+    # pool_size 3: the kernel lent to the running call counts towards it (it comes back), so 2 stay ready
+    settings = PoolSettings(pool_size=3, max_kernels=8, isolation=isolation, scratch_root=str(root))
     client = await InProcessClient(settings).start()
     session = await client.create_session()
     await client.execute("x = 1", session)
