@@ -493,12 +493,12 @@ class KernelPool:
 
     The pool keeps `pool_size` kernels ready (or coming back, below) beyond the calls waiting for one. Kernels are
     started only in the background (`_refill`), at most `max_starting` at once, so a burst never has every call
-    starting its own kernel on cores that are busy running code. A call takes a ready kernel or waits, first come first served,
-    for the next one a start brings or a reset gives back, up to `queue_wait_s` (then `KernelsBusy`). A kernel
-    lent for a stateless run that is not its last counts as coming back, as one being reset does; one a session
-    takes, or one whose run is its last (`reuse_limit`), leaves a shortfall that starts a successor at once, while
-    it is in use. (Counting every lent kernel as missing started a successor for each call on a full pool, which
-    retired as surplus when the lent kernel came back: a kernel start, ~0.5 CPU-s, per call.)
+    starting its own kernel on cores that are busy running code. A call takes a ready kernel or waits, first come
+    first served, for the next one a start brings or a reset gives back, up to `queue_wait_s` (then `KernelsBusy`).
+    A kernel lent for a stateless run that is not its last counts as coming back, as one being reset does; one a
+    session takes, or one whose run is its last (`reuse_limit`), leaves a shortfall that starts a successor at
+    once, while it is in use. (Counting every lent kernel as missing started a successor for each call on a full
+    pool, which retired as surplus when the lent kernel came back: a kernel start, ~0.5 CPU-s, per call.)
     """
 
     FAILURE_CAUSES = ("timeout", "died", "warmup", "error")
@@ -740,20 +740,18 @@ class KernelPool:
                 reset_ok = reset.status == "ok" and not kernel.dead and not self._closed
         except BaseException:
             self._returning -= returning
-            await _run_to_end(self.discard(kernel, None if self._closed else "reset_failed"))
+            await _run_to_end(self.discard(kernel, "reset_failed"))
             raise
         self._returning -= returning
         if reset_ok:
             self._hand(kernel)
-        elif not self._closed:
-            await self.discard(kernel, "died" if kernel.dead else "reset_failed" if returning else "reused")
         else:
-            await self.discard(kernel)
+            await self.discard(kernel, "died" if kernel.dead else "reset_failed" if returning else "reused")
 
     async def discard(self, kernel: Kernel, cause: str | None = None) -> None:
         """Stop a kernel that will not be used again; its slot is free again for a successor. `cause` (one of
-        RETIRE_CAUSES) is counted in retired_by_cause."""
-        if cause is not None:
+        RETIRE_CAUSES) is counted in retired_by_cause, unless the pool is closing."""
+        if cause is not None and not self._closed:
             self.retired_by_cause[cause] += 1
         await self._stop(kernel)
         self._free_slots.append(kernel.slot)
