@@ -11,7 +11,7 @@ Always enforced ("process" mode and "namespaces" mode):
   the kernel, not even when the server passes its own environment to jupyter_client;
 - a private scratch dir (mode 0700) as working dir, HOME and TMPDIR, removed with `remove_scratch`;
 - the kernel dies with the process that started it (on Linux): its first process gets the parent-death
-  signal SIGKILL (`setpriv --pdeathsig KILL`, or `_PDEATHSIG_EXEC` where setpriv lacks that option), so a
+  signal SIGKILL (`_PDEATHSIG_EXEC`, which also refuses to start the kernel if its starter is already gone), so a
   server or in-process pool that is SIGKILLed or crashes, skipping its own clean-up, takes its kernels
   along at once. The signal fires when the *thread* that started the kernel ends, not the process:
   a pool must live in one event loop whose thread outlives it (asyncio.run in the main thread, uvicorn's
@@ -56,8 +56,7 @@ Not isolated, in any mode:
 - the kernel shares the host kernel (a kernel exploit escapes all of this);
 - a server that dies without its clean-up (SIGKILL, a crash) leaves its kernels' scratch dirs, its
   cgroups and, in process mode, processes its kernels started behind; the next owner of its uid range
-  removes them (sandbox.ownership). A server killed in the microseconds between forking a kernel's first
-  process and setpriv's prctl leaves that kernel running; the next owner ends it too (by uid, or cgroup).
+  removes them (sandbox.ownership).
 In "process" mode the kernel also runs as the server's uid with the server's view of the network and
 file system (so kernels can read each other's scratch dirs and connection files), RLIMIT_NPROC counts
 all processes of that uid (root is exempt from it entirely), and a kernel's children can outlive it
@@ -209,7 +208,6 @@ def detect_isolation(requested: IsolationMode = "auto", cgroups: bool = True) ->
     per process."""
     if requested not in _MODES:
         raise ValueError(f"isolation must be one of {', '.join(_MODES)}; got {requested!r}")
-    _setpriv_with_pdeathsig()  # probed here, once, so that kernel_argv never waits for it in an event loop
     found = usable_cgroups() if cgroups else None
     cgroup = found.version if found is not None else ""
     if requested == "process":
@@ -301,8 +299,9 @@ def _launcher_argv(
     return [*die_with_owner, *ns, *launch, f"--uid={uid}", "--readonly-root", "--", "{connection_file}"]
 
 
-# Runs its argv after the pid with the parent-death signal SIGKILL; for a setpriv without --pdeathsig
-# (util-linux < 2.33). If the parent died before prctl, no signal will ever come: then exit instead.
+# Runs its argv after the pid with the parent-death signal SIGKILL. If the parent died before prctl, no signal
+# will ever come: then it exits instead. (util-linux `setpriv --pdeathsig` has no such check, so a starter killed
+# between fork and setpriv's prctl would leave its kernel running; this costs ~7 ms more per kernel start.)
 _PDEATHSIG_EXEC = """
 import ctypes, os, sys
 prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -323,24 +322,7 @@ def _die_with_parent(python: str) -> list[str]:
     """
     if not sys.platform.startswith("linux"):
         return []
-    setpriv = _setpriv_with_pdeathsig()
-    if setpriv is not None:
-        return [setpriv, "--pdeathsig", "KILL", "--"]
     return [python, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid())]
-
-
-@functools.lru_cache(maxsize=1)
-def _setpriv_with_pdeathsig() -> str | None:
-    """util-linux `setpriv` if it is on PATH and knows --pdeathsig (2.33 and later), else None."""
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        return None
-    try:
-        argv = [setpriv, "--pdeathsig", "KILL", "--", sys.executable, "-I", "-S", "-c", ""]
-        done = subprocess.run(argv, capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return setpriv if done.returncode == 0 else None
 
 
 def kernel_env(scratch: Path) -> dict[str, str]:

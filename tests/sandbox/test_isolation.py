@@ -254,7 +254,7 @@ def test_process_isolation_reports_only_what_it_enforces():
 
 def test_kernel_argv_has_one_connection_file_placeholder():
     process = kernel_argv(detect_isolation("process"), Limits(), uid=None)
-    launch = process.index("sandbox.launch") - 2  # after the parent-death prefix (setpriv or _PDEATHSIG_EXEC)
+    launch = process.index("sandbox.launch") - 2  # after the parent-death prefix (_PDEATHSIG_EXEC)
     assert process[launch : launch + 3] == [sys.executable, "-m", "sandbox.launch"]
     assert process[:launch] == _die_with_parent(sys.executable) != []
     assert process.count("{connection_file}") == 1 and process[-2:] == ["--", "{connection_file}"]
