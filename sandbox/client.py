@@ -37,19 +37,21 @@ thread-safe). InProcessClient has no servers: one pool in this process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import httpx
 
 from sandbox.schemas import ErrorInfo, RunResult
 
 T = TypeVar("T")
+H = TypeVar("H", httpx.Client, httpx.AsyncClient)
 log = logging.getLogger("sandbox.client")
 RETRY_STATUS = {429, 503}
 KEEPALIVE_S = 10.0
@@ -60,6 +62,11 @@ DOWN_AFTER_REFUSALS = 3
 """A server that answers this many calls in a row with 429/503 is skipped (marked down) until re-probed."""
 MAX_DOWN_S = 30.0
 """Longest pause before a down server is probed again."""
+POOL_CONNECTIONS = 16
+"""Most connections in one httpx pool: a server's connections are split over pools of this size. httpcore's pool
+looks at every connection for each idle one whenever a request starts or ends, so its cost per call grows with
+the square of its size: measured with a stand-in server (benchmarks/bench_client.py), one pool of 128 busy
+connections cost 16 ms of client CPU per call against 2 ms for 32 or fewer."""
 PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 
 
@@ -303,6 +310,36 @@ class _Servers:
             ]
 
 
+class _Pools(Generic[H]):
+    """One server's connections: `ceil(max_connections / POOL_CONNECTIONS)` httpx clients, each of at most
+    POOL_CONNECTIONS connections, none closed before keep-alive expiry (max_keepalive_connections =
+    max_connections, see SandboxClient). A request takes the client with the most connections left (its size less
+    the requests it has in flight, which may be negative: queued), the first of those tied."""
+
+    def __init__(self, make: Callable[[httpx.Limits], H], max_connections: int):
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1; got {max_connections}")
+        full, rest = divmod(max_connections, POOL_CONNECTIONS)
+        sizes = [POOL_CONNECTIONS] * full + ([rest] if rest else [])
+        self.clients = [
+            make(httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=KEEPALIVE_S))
+            for n in sizes
+        ]
+        self._free = list(sizes)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[H]:
+        with self._lock:
+            i = max(range(len(self.clients)), key=self._free.__getitem__)
+            self._free[i] -= 1
+        try:
+            yield self.clients[i]
+        finally:
+            with self._lock:
+                self._free[i] += 1
+
+
 class _Common:
     def __init__(
         self,
@@ -431,25 +468,33 @@ class SandboxClient(_Common):
         retries: int = 5,
         backoff_s: float = 0.2,
         timeout_s: float = 60.0,
+        max_connections: int = 100,
         down_backoff_s: float = 1.0,
     ):
         super().__init__(base_url, token, retries, backoff_s, timeout_s, down_backoff_s)
-        # One connection pool per server, none of whose idle connections is closed before keep-alive expiry
-        # (max_keepalive_connections = max_connections). httpcore 1.0.9 can close an idle connection it has just
-        # handed to a queued request, after that request was sent (encode/httpcore#1110): it fails after sending
-        # (ReadError) although the server ran it. A pool shared by all servers did that when full, closing an idle
-        # connection to one server to open one to another (a session creation lost in about one run in five of
-        # tests/sandbox/test_soak.py), and so does the clean-up of connections beyond max_keepalive_connections.
-        # Keep-alive expiry can still do it, in the moment between a request being given a connection and its start.
-        limits = httpx.Limits(max_connections=100, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_S)
-        self._pools = [httpx.Client(base_url=url, headers=self.headers, limits=limits) for url in self.urls]
-        self._http = self._pools[0]  # the first server's, for relative requests made on it directly
+        # Connection pools of their own per server (_Pools), none of whose idle connections is closed before
+        # keep-alive expiry (max_keepalive_connections = max_connections). httpcore 1.0.9 can close an idle
+        # connection it has just handed to a queued request, after that request was sent (encode/httpcore#1110):
+        # it fails after sending (ReadError) although the server ran it. A pool shared by all servers did that when
+        # full, closing an idle connection to one server to open one to another (a session creation lost in about
+        # one run in five of tests/sandbox/test_soak.py), and so does the clean-up of connections beyond
+        # max_keepalive_connections. Keep-alive expiry can still do it, in the moment between a request being
+        # given a connection and its start.
+        # max_connections is per server.
+        self._pools = [
+            _Pools(
+                lambda limits, url=url: httpx.Client(base_url=url, headers=self.headers, limits=limits),
+                max_connections,
+            )
+            for url in self.urls
+        ]
+        self._http = self._pools[0].clients[0]  # one of the first server's, for relative requests made on it directly
 
     def _send(self, server: _Server, method: str, path: str, timeout_s: float | None, **kw: Any):
         """(response, None) or (None, transport error); `server` was counted in flight and is released here."""
         try:
-            http = self._pools[server.index]
-            return http.request(method, server.url + path, timeout=self._http_timeout(timeout_s), **kw), None
+            with self._pools[server.index].take() as http:
+                return http.request(method, server.url + path, timeout=self._http_timeout(timeout_s), **kw), None
         except httpx.TransportError as exc:
             if isinstance(exc, httpx.PoolTimeout):  # our own connection pool is full: no server's fault
                 raise SandboxUnavailable(f"{method} {server.url}{path}: no free connection in this client") from exc
@@ -463,8 +508,8 @@ class SandboxClient(_Common):
         try:
             for server in servers:
                 try:
-                    http = self._pools[server.index]
-                    response, error = http.get(server.url + "/healthz", timeout=PROBE_TIMEOUT), None
+                    with self._pools[server.index].take() as http:
+                        response, error = http.get(server.url + "/healthz", timeout=PROBE_TIMEOUT), None
                 except httpx.TransportError as exc:
                     response, error = None, exc
                 answers.append(self._probe_result(server, response, error))
@@ -565,8 +610,9 @@ class SandboxClient(_Common):
             pass  # already gone (expired, the server restarted, or never made here): nothing to close
 
     def close(self) -> None:
-        for http in self._pools:
-            http.close()
+        for pools in self._pools:
+            for http in pools.clients:
+                http.close()
 
     def __enter__(self) -> SandboxClient:
         return self
@@ -590,17 +636,20 @@ class AsyncSandboxClient(_Common):
         down_backoff_s: float = 1.0,
     ):
         super().__init__(base_url, token, retries, backoff_s, timeout_s, down_backoff_s)
-        limits = httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=KEEPALIVE_S
-        )
-        # max_connections per server: one connection pool each, as in SandboxClient (see there); _http too.
-        self._pools = [httpx.AsyncClient(base_url=url, headers=self.headers, limits=limits) for url in self.urls]
-        self._http = self._pools[0]
+        # max_connections per server, in pools of their own, as in SandboxClient (see there); _http too.
+        self._pools = [
+            _Pools(
+                lambda limits, url=url: httpx.AsyncClient(base_url=url, headers=self.headers, limits=limits),
+                max_connections,
+            )
+            for url in self.urls
+        ]
+        self._http = self._pools[0].clients[0]
 
     async def _send(self, server: _Server, method: str, path: str, timeout_s: float | None, **kw: Any):
         try:
-            http = self._pools[server.index]
-            response = await http.request(method, server.url + path, timeout=self._http_timeout(timeout_s), **kw)
+            with self._pools[server.index].take() as http:
+                response = await http.request(method, server.url + path, timeout=self._http_timeout(timeout_s), **kw)
             return response, None
         except httpx.TransportError as exc:
             if isinstance(exc, httpx.PoolTimeout):
@@ -611,8 +660,8 @@ class AsyncSandboxClient(_Common):
 
     async def _probe_one(self, server: _Server) -> dict | None:
         try:
-            http = self._pools[server.index]
-            response, error = await http.get(server.url + "/healthz", timeout=PROBE_TIMEOUT), None
+            with self._pools[server.index].take() as http:
+                response, error = await http.get(server.url + "/healthz", timeout=PROBE_TIMEOUT), None
         except httpx.TransportError as exc:
             response, error = None, exc
         except BaseException:  # cancelled: leave it as it was
@@ -710,7 +759,7 @@ class AsyncSandboxClient(_Common):
             pass
 
     async def close(self) -> None:
-        await asyncio.gather(*(http.aclose() for http in self._pools))
+        await asyncio.gather(*(http.aclose() for pools in self._pools for http in pools.clients))
 
     async def __aenter__(self) -> AsyncSandboxClient:
         return self
