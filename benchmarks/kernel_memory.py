@@ -1,0 +1,100 @@
+"""Memory of idle warm kernels (numpy and sympy loaded by the pool's warm-up): RSS, PSS and USS per kernel, summed
+over each kernel's processes (namespace kernels have an unshare and a launcher process above the kernel).
+
+USS (private pages) is what each further kernel adds; RSS counts pages shared with the other kernels again.
+Read from /proc/PID/smaps_rollup (Linux 4.14+). Namespace mode needs root and util-linux unshare; it is skipped
+where the probe says it is unavailable.
+
+Run: .venv/bin/python benchmarks/kernel_memory.py [--kernels 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+
+from sandbox.isolation import detect_isolation
+from sandbox.kernels import KernelPool, PoolSettings
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """Rss, Pss and Uss (Private_Clean + Private_Dirty) of one process, in KiB; zeros if it is gone."""
+    found = {"rss": 0, "pss": 0, "uss": 0}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                kib = int(value.split()[0]) if value.split() else 0
+                if key == "Rss":
+                    found["rss"] = kib
+                elif key == "Pss":
+                    found["pss"] = kib
+                elif key in ("Private_Clean", "Private_Dirty"):
+                    found["uss"] += kib
+    except (OSError, ValueError, IndexError):
+        pass
+    return found
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(current := todo.pop())
+        todo.extend(children.get(current, []))
+    return tree
+
+
+async def measure(mode: str, kernels: int) -> list[dict[str, float]]:
+    pool = KernelPool(PoolSettings(pool_size=kernels, max_kernels=kernels + 1, isolation=mode))
+    await pool.start()
+    try:
+        while pool.ready_count < kernels:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # let the warm-up's allocations settle
+        rows = []
+        for kernel in list(pool._ready):
+            procs = process_tree(kernel.manager.provisioner.process.pid)
+            totals = {"rss": 0, "pss": 0, "uss": 0}
+            for pid in procs:
+                for key, kib in memory_kib(pid).items():
+                    totals[key] += kib
+            rows.append({"processes": len(procs), **{key: kib / 1024 for key, kib in totals.items()}})
+        return rows
+    finally:
+        await pool.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", type=int, default=3, help="warm kernels per mode (default 3)")
+    args = parser.parse_args(argv)
+    print("| isolation | kernels | processes each | RSS MB | PSS MB | USS MB (median [min-max]) |")
+    print("|---|---:|---:|---:|---:|---|")
+    for mode in ("process", "namespaces"):
+        if mode == "namespaces" and detect_isolation("auto").mode != "namespaces":
+            print(f"| {mode} | - | - | - | - | not available here |")
+            continue
+        rows = asyncio.run(measure(mode, args.kernels))
+        med = {key: statistics.median(r[key] for r in rows) for key in ("rss", "pss", "uss")}
+        uss = [r["uss"] for r in rows]
+        print(
+            f"| {mode} | {len(rows)} | {rows[0]['processes']} | {med['rss']:.0f} | {med['pss']:.0f} | "
+            f"{med['uss']:.0f} [{min(uss):.0f}-{max(uss):.0f}] |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
