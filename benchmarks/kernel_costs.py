@@ -1,11 +1,16 @@
-"""Memory of idle warm kernels (numpy and sympy loaded by the pool's warm-up): RSS, PSS and USS per kernel, summed
+"""What a warm kernel costs: its memory when idle, and the time of the reset a stateless kernel gets between calls.
+
+Memory of idle warm kernels (numpy and sympy loaded by the pool's warm-up): RSS, PSS and USS per kernel, summed
 over each kernel's processes (namespace kernels have an unshare and a launcher process above the kernel).
 
 USS (private pages) is what each further kernel adds; RSS counts pages shared with the other kernels again.
 Read from /proc/PID/smaps_rollup (Linux 4.14+). Namespace mode needs root and util-linux unshare; it is skipped
 where the probe says it is unavailable.
 
-Run: .venv/bin/python benchmarks/kernel_memory.py [--kernels 3]
+Reset: on one process-mode kernel, --resets times a `print(1+1)` call and then the pool's reset (RESET_CODE plus
+the warm-up, as KernelPool runs it after a stateless call), each timed around the pool's own Kernel.execute (no HTTP).
+
+Run: .venv/bin/python benchmarks/kernel_costs.py [--kernels 3] [--resets 30]
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import argparse
 import asyncio
 import os
 import statistics
+import time
 
 from sandbox.isolation import detect_isolation
-from sandbox.kernels import KernelPool, PoolSettings
+from sandbox.kernels import RESET_CODE, KernelPool, PoolSettings
 
 
 def memory_kib(pid: int) -> dict[str, int]:
@@ -76,9 +82,33 @@ async def measure(mode: str, kernels: int) -> list[dict[str, float]]:
         await pool.close()
 
 
+async def reset_times(resets: int) -> tuple[list[float], list[float]]:
+    """Seconds of `print(1+1)` and of the reset after it, `resets` times on one kernel."""
+    settings = PoolSettings(pool_size=1, max_kernels=2, isolation="process")
+    pool = KernelPool(settings)
+    await pool.start()
+    try:
+        kernel = await pool.acquire()
+        calls, resets_s = [], []
+        for _ in range(resets):
+            began = time.perf_counter()
+            call = await kernel.execute("print(1+1)", 10.0, settings)
+            calls.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            reset = await kernel.execute(RESET_CODE + settings.warmup_code, 30.0, settings, user=False)
+            resets_s.append(time.perf_counter() - began)
+            if call.status != "ok" or reset.status != "ok":
+                raise RuntimeError(f"a call or reset failed: {call.status}, {reset.status}")
+        pool.give_back_later(kernel)
+        return calls, resets_s
+    finally:
+        await pool.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", type=int, default=3, help="warm kernels per mode (default 3)")
+    parser.add_argument("--resets", type=int, default=30, help="timed call + reset pairs (default 30; 0: none)")
     args = parser.parse_args(argv)
     print("| isolation | kernels | processes each | RSS MB | PSS MB | USS MB (median [min-max]) |")
     print("|---|---:|---:|---:|---:|---|")
@@ -93,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| {mode} | {len(rows)} | {rows[0]['processes']} | {med['rss']:.0f} | {med['pss']:.0f} | "
             f"{med['uss']:.0f} [{min(uss):.0f}-{max(uss):.0f}] |"
         )
+    if args.resets:
+        calls, resets = asyncio.run(reset_times(args.resets))
+        for name, times in (("print(1+1)", calls), ("reset + warm-up", resets)):
+            ms = sorted(1000 * t for t in times)
+            print(f"{name}: median {statistics.median(ms):.1f} ms [{ms[0]:.1f}-{ms[-1]:.1f}] over {len(ms)}")
     return 0
 
 
