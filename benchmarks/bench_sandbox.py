@@ -659,13 +659,22 @@ def run_all(args: argparse.Namespace, workdir: Path) -> tuple[list[Result], dict
             print(f"  {res.case:16s} c={c:<3d} n={res.n:<4d} p50={res.pct(50):8.2f} ms  {res.rate:7.1f}/s", flush=True)
 
     flags = server_flags(args)
+    first_label = f"pool_size={args.pool_size}" if args.compare_pool_size is not None else None
     with serve(flags, workdir, kernel_root) as (proc, url, left):
-        http_out = asyncio.run(bench_http(args, url, proc.pid, str(kernel_root), main_cases=not args.burst_only))
-    if args.compare_max_starting is not None or args.compare_code is not None:
+        http_out = asyncio.run(
+            bench_http(args, url, proc.pid, str(kernel_root), main_cases=not args.burst_only, label=first_label)
+        )
+    compares = (args.compare_max_starting, args.compare_pool_size, args.compare_code)
+    if any(value is not None for value in compares):
         other, repo, label = flags, REPO, None
         if args.compare_max_starting is not None:
-            other = [f for f in flags if not f.startswith("--max-starting=")]
+            other = [f for f in other if not f.startswith("--max-starting=")]
             other.append(f"--max-starting={args.compare_max_starting}")
+        if args.compare_pool_size is not None:
+            other = [f for f in other if not f.startswith("--pool-size=")]
+            other.append(f"--pool-size={args.compare_pool_size}")
+            label = f"pool_size={args.compare_pool_size}"
+            args = argparse.Namespace(**{**vars(args), "pool_size": args.compare_pool_size})  # what to wait for
         if args.compare_code is not None:
             repo, label = args.compare_code.resolve(), f"code {code_version(args.compare_code)}"
         with serve(other, workdir, kernel_root, repo) as (proc, url, left_too):
@@ -787,6 +796,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="N",
         help="repeat the burst section on a second server with --max-starting N (0: no bound, as before it)",
+    )
+    parser.add_argument(
+        "--compare-pool-size",
+        type=int,
+        metavar="N",
+        help="repeat the burst section on a second server with --pool-size N",
     )
     parser.add_argument(
         "--compare-code",

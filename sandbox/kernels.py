@@ -499,6 +499,9 @@ class KernelPool:
     session takes, or one whose run is its last (`reuse_limit`), leaves a shortfall that starts a successor at
     once, while it is in use. (Counting every lent kernel as missing started a successor for each call on a full
     pool, which retired as surplus when the lent kernel came back: a kernel start, ~0.5 CPU-s, per call.)
+    A waiting call that a kernel being reset will serve is not counted as demand either: on a pool whose every
+    kernel is lent, a call waits for the next reset (~10 ms) rather than for a start; for spare kernels under a
+    sustained stateless load, set `pool_size` above the calls that run at once.
     """
 
     FAILURE_CAUSES = ("timeout", "died", "warmup", "error")
@@ -839,7 +842,11 @@ class KernelPool:
 
     def _shortfall(self) -> int:
         coming = len(self._ready) + self._starting + self._returning + self._lent
-        return self.settings.pool_size + len(self._waiters) - coming
+        # a kernel being reset comes back in milliseconds, and to the call that has waited longest: a waiting call
+        # it will serve needs no start of its own (on a saturated pool each such call started one, ~0.5 CPU-s,
+        # that came back to stay or retired as surplus)
+        waiting = max(0, len(self._waiters) - self._returning)
+        return self.settings.pool_size + waiting - coming
 
     async def _start_in_background(self, slot: int) -> None:
         try:

@@ -724,6 +724,42 @@ def test_retirements_are_counted_by_cause_and_a_lent_kernel_that_comes_back_has_
     ]
 
 
+def test_a_call_waiting_on_a_pool_whose_kernel_is_being_reset_gets_that_kernel_and_starts_none(monkeypatch):
+    """Every kernel lent (pool_size 1, one call ran): a call that comes while the kernel is being reset waits for
+    it, and no kernel starts on its account (one did, and then came back to stay or retired as surplus)."""
+    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)
+
+    async def go() -> tuple[int, int, int, int, dict[str, int]]:
+        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=4, isolation="process", stateless_reuse=10))
+        await pool.start()
+        try:
+            await wait_settled(pool, 1)
+            first = await pool.acquire(stateless=True)
+            first.runs += 1
+            assert (await first.execute("x = 1", 30, pool.settings)).status == "ok"
+            pool.give_back_later(first)  # its reset starts in the background: the kernel is coming back
+            second = await pool.acquire(stateless=True)  # waits: no kernel is ready
+            starting = pool._starting
+            second.runs += 1
+            result = await second.execute("print(globals().get('x'))", 30, pool.settings)
+            pool.give_back_later(second)
+            await wait_settled(pool, 1)
+            assert result.stdout == "None\n"  # reset in between
+            return (
+                second.slot - first.slot,
+                starting,
+                pool.kernels_started,
+                pool.alive_count,
+                dict(pool.retired_by_cause),
+            )
+        finally:
+            await pool.close()
+
+    same, starting, started, alive, retired = asyncio.run(go())
+    assert (same, starting, started, alive) == (0, 0, 1, 1), "a kernel started for a call that a reset served"
+    assert retired.get("surplus", 0) == 0
+
+
 def test_a_dead_kernels_group_is_signalled_only_while_its_id_cannot_be_reused(monkeypatch):
     """A kernel's process group id is that of its first process, free for a new process once that one is reaped.
     Stopping a kernel that died signals its group while the process is unreaped (what it started dies with it),
