@@ -528,6 +528,7 @@ class KernelPool:
         self._starting = 0  # kernels being started; each holds a slot
         self._returning = 0  # stateless kernels being reset that will be ready again
         self._lent = 0  # kernels out for a stateless run after which they come back (Kernel.lent)
+        self._handed = 0  # kernels handed to a waiting call that has not resumed yet to take them (_hand)
         self._retry_at = 0.0  # time.monotonic() before which no start begins (set after a failed start)
         self._closed = False
         # Every kernel whose process may exist: starting, ready, in use (session or stateless run) or resetting.
@@ -679,9 +680,12 @@ class KernelPool:
         self._refill()  # a waiting call counts as demand: a start begins now if max_starting allows
         try:
             # Shielded: only this method cancels `waiter`, so a kernel handed to it is found below, never lost.
-            return await _wait_for(asyncio.shield(waiter), max(wait_s, 0.0))
+            kernel = await _wait_for(asyncio.shield(waiter), max(wait_s, 0.0))
+            self._handed -= 1
+            return kernel
         except asyncio.TimeoutError:
-            if self._handed(waiter):  # it came in the same loop turn as the timeout
+            if self._was_handed(waiter):  # it came in the same loop turn as the timeout
+                self._handed -= 1
                 return waiter.result()
             self.waits_refused += 1
             self._record_wait(time.monotonic() - began)
@@ -691,7 +695,8 @@ class KernelPool:
                 f"{self.alive_count} of max_kernels={self.settings.max_kernels} alive); retry later"
             ) from None
         except BaseException:
-            if self._handed(waiter):  # cancelled as the kernel came: it goes to the next call instead
+            if self._was_handed(waiter):  # cancelled as the kernel came: it goes to the next call instead
+                self._handed -= 1
                 self._hand(waiter.result())
             raise
         finally:
@@ -700,7 +705,7 @@ class KernelPool:
                 self._waiters.remove(waiter)
 
     @staticmethod
-    def _handed(waiter: asyncio.Future[Kernel]) -> bool:
+    def _was_handed(waiter: asyncio.Future[Kernel]) -> bool:
         return waiter.done() and not waiter.cancelled() and waiter.exception() is None
 
     def _hand(self, kernel: Kernel) -> None:
@@ -710,6 +715,7 @@ class KernelPool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(kernel)
+                self._handed += 1  # coming, until the call resumes and takes it (acquire counts it from there)
                 return
         if len(self._ready) >= self.settings.pool_size:
             self._spawn(self.discard(kernel, "surplus"))
@@ -841,7 +847,7 @@ class KernelPool:
             self._spawn(self._start_in_background(self._free_slots.pop(0)))
 
     def _shortfall(self) -> int:
-        coming = len(self._ready) + self._starting + self._returning + self._lent
+        coming = len(self._ready) + self._starting + self._returning + self._lent + self._handed
         # a kernel being reset comes back in milliseconds, and to the call that has waited longest: a waiting call
         # it will serve needs no start of its own (on a saturated pool each such call started one, ~0.5 CPU-s,
         # that came back to stay or retired as surplus)

@@ -760,6 +760,35 @@ def test_a_call_waiting_on_a_pool_whose_kernel_is_being_reset_gets_that_kernel_a
     assert retired.get("surplus", 0) == 0
 
 
+def test_a_saturated_pool_serves_a_steady_stateless_load_with_the_kernels_it_has(monkeypatch):
+    """More callers than calls allowed to run (8 tasks, max_running 2 = pool_size): every kernel is lent or being
+    reset, calls keep waiting for one, and the two kernels serve them all. No kernel starts and none retires as
+    surplus (a call waiting for a reset, or a kernel handed to a call not yet resumed, each started one)."""
+    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # no kernel reaches its limit in this test
+
+    async def go() -> tuple[int, int, dict[str, int], list[str]]:
+        settings = PoolSettings(pool_size=2, max_kernels=8, isolation="process", stateless_reuse=10_000)
+        client = InProcessClient(settings, max_running=2)
+        await client.start()
+        pool = client.pool
+        try:
+            await wait_settled(pool, 2)
+            started = pool.kernels_started
+
+            async def caller(i: int) -> list[str]:
+                return [(await client.execute(f"print({i * 100 + j})")).stdout for j in range(8)]
+
+            printed = [out for outs in await asyncio.gather(*(caller(i) for i in range(8))) for out in outs]
+            await wait_settled(pool, 2)
+            return started, pool.kernels_started, dict(pool.retired_by_cause), printed
+        finally:
+            await client.close()
+
+    before, after, retired, printed = asyncio.run(go())
+    assert printed == [f"{i * 100 + j}\n" for i in range(8) for j in range(8)]
+    assert (after - before, retired.get("surplus", 0)) == (0, 0), f"kernel starts {after - before}, retired {retired}"
+
+
 def test_a_dead_kernels_group_is_signalled_only_while_its_id_cannot_be_reused(monkeypatch):
     """A kernel's process group id is that of its first process, free for a new process once that one is reaped.
     Stopping a kernel that died signals its group while the process is unreaped (what it started dies with it),
