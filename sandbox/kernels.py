@@ -491,17 +491,18 @@ def reuse_limit(stateless_reuse: int) -> int:
 class KernelPool:
     """Starts kernels ahead of demand and hands them out; knows nothing about HTTP.
 
-    The pool keeps `pool_size` kernels ready (or coming back, below) beyond the calls waiting for one. Kernels are
-    started only in the background (`_refill`), at most `max_starting` at once, so a burst never has every call
-    starting its own kernel on cores that are busy running code. A call takes a ready kernel or waits, first come
+    The pool keeps `pool_size` kernels ready (or coming back, below), and one more for each call waiting beyond the
+    kernels starting or being reset (`_shortfall`). Kernels are started only in the background (`_refill`), at most
+    `max_starting` at once, so a burst never has every call starting its own kernel on cores that are busy running
+    code. A call takes a ready kernel or waits, first come
     first served, for the next one a start brings or a reset gives back, up to `queue_wait_s` (then `KernelsBusy`).
     A kernel lent for a stateless run that is not its last counts as coming back, as one being reset does; one a
     session takes, or one whose run is its last (`reuse_limit`), leaves a shortfall that starts a successor at
     once, while it is in use. (Counting every lent kernel as missing started a successor for each call on a full
     pool, which retired as surplus when the lent kernel came back: a kernel start, ~0.5 CPU-s, per call.)
-    A waiting call that a kernel being reset will serve is not counted as demand either: on a pool whose every
-    kernel is lent, a call waits for the next reset (~10 ms) rather than for a start; for spare kernels under a
-    sustained stateless load, set `pool_size` above the calls that run at once.
+    A waiting call starts a kernel only when no kernel is starting or being reset for it (`_shortfall`): on a pool
+    whose every kernel is lent, a call waits for the next reset (~10 ms) rather than for a start. For spare kernels
+    under a sustained stateless load, set `pool_size` above the calls that run at once.
     """
 
     FAILURE_CAUSES = ("timeout", "died", "warmup", "error")
@@ -847,12 +848,14 @@ class KernelPool:
             self._spawn(self._start_in_background(self._free_slots.pop(0)))
 
     def _shortfall(self) -> int:
+        """Kernels to start: up to pool_size ready, starting, being reset, lent to stateless calls or handed to a
+        call; and a start for each waiting call beyond the kernels starting or being reset, one of which it gets
+        first (a reset takes milliseconds, a start about a second). Counting the waiting calls on top of pool_size
+        started, on a saturated pool, a kernel for each call that waited for a reset or a successor: ~0.5 CPU-s
+        each, for a kernel that then retired as surplus."""
         coming = len(self._ready) + self._starting + self._returning + self._lent + self._handed
-        # a kernel being reset comes back in milliseconds, and to the call that has waited longest: a waiting call
-        # it will serve needs no start of its own (on a saturated pool each such call started one, ~0.5 CPU-s,
-        # that came back to stay or retired as surplus)
-        waiting = max(0, len(self._waiters) - self._returning)
-        return self.settings.pool_size + waiting - coming
+        waiting = len(self._waiters) - len(self._ready) - self._starting - self._returning
+        return max(self.settings.pool_size - coming, waiting)
 
     async def _start_in_background(self, slot: int) -> None:
         try:

@@ -760,14 +760,16 @@ def test_a_call_waiting_on_a_pool_whose_kernel_is_being_reset_gets_that_kernel_a
     assert retired.get("surplus", 0) == 0
 
 
-def test_a_saturated_pool_serves_a_steady_stateless_load_with_the_kernels_it_has(monkeypatch):
+@pytest.mark.parametrize("reuse", [10_000, 5])
+def test_a_saturated_pool_serves_a_steady_stateless_load_with_the_kernels_it_has(monkeypatch, reuse):
     """More callers than calls allowed to run (8 tasks, max_running 2 = pool_size): every kernel is lent or being
-    reset, calls keep waiting for one, and the two kernels serve them all. No kernel starts and none retires as
-    surplus (a call waiting for a reset, or a kernel handed to a call not yet resumed, each started one)."""
-    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # no kernel reaches its limit in this test
+    reset, calls keep waiting for one, and the pool's kernels serve them all. A kernel starts only to succeed one
+    that served its `reuse` runs, and none retires as surplus. (A call waiting for a reset, a kernel handed to a
+    call not yet resumed, and a call waiting while a successor starts each started one more.)"""
+    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # each kernel retires after exactly `reuse` runs
 
-    async def go() -> tuple[int, int, dict[str, int], list[str]]:
-        settings = PoolSettings(pool_size=2, max_kernels=8, isolation="process", stateless_reuse=10_000)
+    async def go() -> tuple[int, dict[str, int], list[str]]:
+        settings = PoolSettings(pool_size=2, max_kernels=8, isolation="process", stateless_reuse=reuse)
         client = InProcessClient(settings, max_running=2)
         await client.start()
         pool = client.pool
@@ -780,13 +782,14 @@ def test_a_saturated_pool_serves_a_steady_stateless_load_with_the_kernels_it_has
 
             printed = [out for outs in await asyncio.gather(*(caller(i) for i in range(8))) for out in outs]
             await wait_settled(pool, 2)
-            return started, pool.kernels_started, dict(pool.retired_by_cause), printed
+            return pool.kernels_started - started, dict(pool.retired_by_cause), printed
         finally:
             await client.close()
 
-    before, after, retired, printed = asyncio.run(go())
+    starts, retired, printed = asyncio.run(go())
     assert printed == [f"{i * 100 + j}\n" for i in range(8) for j in range(8)]
-    assert (after - before, retired.get("surplus", 0)) == (0, 0), f"kernel starts {after - before}, retired {retired}"
+    assert retired.get("surplus", 0) == 0 and starts == retired.get("reused", 0), f"{starts} starts, retired {retired}"
+    assert starts == (64 // reuse if reuse < 64 else 0)
 
 
 def test_a_dead_kernels_group_is_signalled_only_while_its_id_cannot_be_reused(monkeypatch):
