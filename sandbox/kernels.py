@@ -494,8 +494,8 @@ class KernelPool:
     The pool keeps `pool_size` kernels ready (or coming back, below), and one more for each call waiting beyond the
     kernels starting or being reset (`_shortfall`). Kernels are started only in the background (`_refill`), at most
     `max_starting` at once, so a burst never has every call starting its own kernel on cores that are busy running
-    code. A call takes a ready kernel or waits, first come
-    first served, for the next one a start brings or a reset gives back, up to `queue_wait_s` (then `KernelsBusy`).
+    code. A call takes a ready kernel or waits, first come first served, for the next one a start brings or a reset
+    gives back, up to `queue_wait_s` (then `KernelsBusy`).
     A kernel lent for a stateless run that is not its last counts as coming back, as one being reset does; one a
     session takes, or one whose run is its last (`reuse_limit`), leaves a shortfall that starts a successor at
     once, while it is in use. (Counting every lent kernel as missing started a successor for each call on a full
