@@ -277,6 +277,9 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
 def _stop_on_signals() -> Iterator[list[int]]:
     """While a command runs, SIGTERM and SIGHUP stop it the way Ctrl-C does; yields the signals received.
 
+    A signal the command was started with ignored stays ignored (`nohup` ignores SIGHUP, a shell without job
+    control SIGINT for a background command): whoever started it asked for that.
+
     The signal is handed to whatever handles SIGINT at that moment: inside `asyncio.run` that cancels the
     main task, so every `finally` (kernels, scratch folders) runs before KeyboardInterrupt reaches `main`;
     elsewhere Python's handler raises KeyboardInterrupt at once. Only the first signal counts: a second one
@@ -293,7 +296,11 @@ def _stop_on_signals() -> Iterator[list[int]]:
             raise KeyboardInterrupt(signal.Signals(signum).name)
         on_sigint(signal.SIGINT, frame)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {
+        sig: signal.signal(sig, handler)
+        for sig in (signal.SIGTERM, signal.SIGHUP)
+        if signal.getsignal(sig) is not signal.SIG_IGN
+    }
     try:
         yield received
     finally:

@@ -27,6 +27,45 @@ def kernel_dirs(tmp: Path) -> list[Path]:
     return list(tmp.glob("sandbox-*/kernel-*"))
 
 
+def as_a_foreground_job(ignored: tuple[signal.Signals, ...] = ()):
+    """A preexec_fn: the command starts with these signals ignored and the others at their default, as a
+    terminal's foreground job does, also when this test runs where some are ignored (a background job of a
+    shell without job control ignores SIGINT, `nohup` SIGHUP; both are inherited)."""
+
+    def reset() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+
+    return reset
+
+
+def start_make_sft(tmp_path: Path, ignored: tuple[signal.Signals, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """`stare-agent data make-sft` with TMPDIR = tmp_path/tmp; (the process, that TMPDIR)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "x.jsonl"
+    argv = [sys.executable, "-m", "stare_agent.cli", "data", "make-sft", "--n", "400", "--out", str(out)]
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    command = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_a_foreground_job(ignored),
+    )
+    return command, tmp
+
+
+def wait_for_kernels(command: subprocess.Popen, tmp: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not (kernel_dirs(tmp) and descendants(command.pid)):
+        assert command.poll() is None, f"the command exited before starting kernels: {command.stderr.read()}"
+        assert time.monotonic() < deadline, "no kernel started within 120 s"
+        time.sleep(0.02)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "delay"),
@@ -44,19 +83,10 @@ def test_a_signalled_command_leaves_no_kernel_and_no_scratch(tmp_path, signum, d
     """Signalled `delay` seconds after the first kernel process exists: at 0 the pool is still starting kernels,
     around 0.5-1 s the first ones warm up and transcripts start (a kernel client stopped then once made the
     clean-up hang in zmq's context termination), at 2 s transcripts run code."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    out = tmp_path / "x.jsonl"
-    argv = [sys.executable, "-m", "stare_agent.cli", "data", "make-sft", "--n", "400", "--out", str(out)]
-    env = {**os.environ, "TMPDIR": str(tmp)}
-    command = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    command, tmp = start_make_sft(tmp_path)
     started: dict[int, int] = {}
     try:
-        deadline = time.monotonic() + 120
-        while not (kernel_dirs(tmp) and descendants(command.pid)):
-            assert command.poll() is None, f"the command exited before starting kernels: {command.stderr.read()}"
-            assert time.monotonic() < deadline, "no kernel started within 120 s"
-            time.sleep(0.02)
+        wait_for_kernels(command, tmp)
         time.sleep(delay)
         started = descendants(command.pid)
         command.send_signal(signum)
@@ -73,6 +103,30 @@ def test_a_signalled_command_leaves_no_kernel_and_no_scratch(tmp_path, signum, d
             command.kill()
             command.wait()
         for pid in alive(started):  # a failed test must not leave kernels running
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_signal_ignored_when_the_command_starts_stays_ignored(tmp_path):
+    """Started as `nohup` starts a command (SIGHUP ignored), a SIGHUP does not stop it; SIGTERM still does, and
+    cleanly. (The command's own SIGHUP handler used to replace the ignore, so a hangup stopped a nohup run.)"""
+    command, tmp = start_make_sft(tmp_path, ignored=(signal.SIGHUP,))
+    started: dict[int, int] = {}
+    try:
+        wait_for_kernels(command, tmp)
+        command.send_signal(signal.SIGHUP)
+        time.sleep(2.0)
+        assert command.poll() is None, f"SIGHUP stopped it: {command.stderr.read()[-2000:]}"
+        started = descendants(command.pid)
+        command.send_signal(signal.SIGTERM)
+        code = command.wait(timeout=EXIT_S)
+        assert code == 128 + signal.SIGTERM, f"exit status {code}; stderr: {command.stderr.read()[-3000:]}"
+        assert_nothing_left(tmp, started)
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+        for pid in alive(started):
             os.kill(pid, signal.SIGKILL)
 
 
