@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -145,6 +146,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m sandbox") -> 
     # connection the server is closing at that moment fails after sending, and a session call cannot be retried.
     app = create_app(settings)
     keepalive = SERVER_KEEPALIVE_S
+    # uvicorn stops cleanly on SIGINT and SIGTERM only; a hangup (the terminal closed) is made a SIGTERM, unless
+    # the server was started with SIGHUP ignored (nohup): then it stays ignored.
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, lambda *_: signal.raise_signal(signal.SIGTERM))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_keep_alive=keepalive)
     return 0
 

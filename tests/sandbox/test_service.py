@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -197,6 +198,39 @@ def test_user_started_processes_do_not_outlive_the_session(client: SandboxClient
     while processes_mentioning("sleep 1234") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert processes_mentioning("sleep 1234") == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_stops_the_server_cleanly(tmp_path: Path, signum: signal.Signals):
+    """SIGTERM, SIGINT and SIGHUP (made a SIGTERM) stop the server with its clean-up: no kernel process and no
+    scratch directory are left. (SIGHUP used to end it at once, leaving its scratch directories.)"""
+    root = tmp_path / "scratch"
+    root.mkdir()
+    config = tmp_path / "sandbox.yaml"
+    config.write_text(f"pool:\n  scratch_root: {root}\n")
+
+    def defaults() -> None:  # as a foreground job has them, whatever this test process inherited
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+
+    srv = Server("--config", str(config), "--pool-size", "2", "--isolation", "process", preexec_fn=defaults)
+    srv.start()
+    try:
+        with SandboxClient(srv.url) as c:
+            session = c.create_session()
+            assert c.execute("print(1)", session).stdout == "1\n"
+        assert processes_mentioning(str(root)) != []
+        srv.proc.send_signal(signum)
+        code = srv.proc.wait(timeout=60)
+    finally:
+        srv.stop()
+    handled = signal.SIGTERM if signum == signal.SIGHUP else signum
+    # after its clean-up uvicorn raises the signal it handled again: SIGTERM ends the process, SIGINT's
+    # KeyboardInterrupt is taken as the way out (exit 0)
+    expected = (0,) if handled == signal.SIGINT else (-handled, 128 + handled)
+    assert code in expected, f"exit status {code}: {srv.proc.stderr.read()[-2000:]}"
+    assert processes_mentioning(str(root)) == []
+    assert [p.name for p in root.iterdir() if p.name.startswith("kernel-")] == []
 
 
 def test_hostile_code_through_the_service(client: SandboxClient, server: Server):
