@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
+
+from bench_sandbox import descendants  # same directory: run as a script
 
 from sandbox.isolation import detect_isolation
 from sandbox.kernels import RESET_CODE, KernelPool, PoolSettings
@@ -44,24 +45,6 @@ def memory_kib(pid: int) -> dict[str, int]:
     return found
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(current := todo.pop())
-        todo.extend(children.get(current, []))
-    return tree
-
-
 async def measure(mode: str, kernels: int) -> list[dict[str, float]]:
     pool = KernelPool(PoolSettings(pool_size=kernels, max_kernels=kernels + 1, isolation=mode))
     await pool.start()
@@ -71,7 +54,8 @@ async def measure(mode: str, kernels: int) -> list[dict[str, float]]:
         await asyncio.sleep(1.0)  # let the warm-up's allocations settle
         rows = []
         for kernel in list(pool._ready):
-            procs = process_tree(kernel.manager.provisioner.process.pid)
+            pid = kernel.manager.provisioner.process.pid
+            procs = [pid, *descendants(pid)]
             totals = {"rss": 0, "pss": 0, "uss": 0}
             for pid in procs:
                 for key, kib in memory_kib(pid).items():
