@@ -81,6 +81,8 @@ class ProblemResult:
     """Response tokens per sample (sampled and observation tokens)."""
     sandbox_errors: int = 0
     """Samples that ended in sandbox_error."""
+    programs: list[list[str]] = field(default_factory=list)
+    """The code of each tool call the sample ran, per sample: what a study of program diversity reads."""
 
 
 @dataclass
@@ -120,6 +122,7 @@ def _problem_result(problem: Problem, episodes: Sequence[EpisodeResult]) -> Prob
         tool_calls=[e.tool_calls for e in episodes],
         response_lengths=[e.response_len for e in episodes],
         sandbox_errors=sum(e.finish_reason == "sandbox_error" for e in episodes),
+        programs=[[t.code for t in e.turns if t.code is not None] for e in episodes],
     )
 
 

@@ -156,6 +156,11 @@ def test_evaluate_scores_writes_report_and_transcripts(tiny_tokenizer, tmp_path)
     assert saved["report"]["avg_at_k"] == pytest.approx(0.5625) and saved["report"]["pass_at"]["4"] == 0.75
     assert [p["problem_id"] for p in saved["problems"]] == ["tool", "all", "half", "none"]
     assert saved["problems"][2]["rewards"] == [1.0, 0.0, 0.0, 1.0]
+    # every sample's programs, not only the transcripts' first sample
+    assert (
+        saved["problems"][0]["programs"] == [["print(2**10)"]] * 3 + [["print(2**10 + 1)"]]
+        and saved["problems"][1]["programs"] == [[]] * 4
+    )
 
     lines = (tmp_path / "tiny_transcripts.jsonl").read_text().splitlines()
     assert len(lines) == 2

@@ -1,10 +1,11 @@
-"""The scripts in benchmarks/ that read runs (rl_experiment, rl_diagnostics, heldout_noise): their tables from
-hand-made metrics rows and evaluation files."""
+"""The scripts in benchmarks/ that read runs (rl_experiment, rl_diagnostics, heldout_noise, program_styles): their
+tables from hand-made metrics rows and evaluation files."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from stare_agent.config import QuickstartConfig, save_config
 from stare_agent.stats import t_quantile
+from stare_agent.tasks import generate_tasks
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -27,6 +29,7 @@ def _load(name: str):
 experiment = _load("rl_experiment")
 diagnostics = _load("rl_diagnostics")
 heldout_noise = _load("heldout_noise")
+program_styles = _load("program_styles")
 
 
 def _row(step, entropy, accuracy, regime, w_star=None, lam=1.0, gam=1.0, precision=0.5):
@@ -158,3 +161,60 @@ def test_rl_diagnostics_block_means():
     rows[1].pop("stare/entropy_mean")  # a step without an update: accuracy only
     lines = diagnostics.blocks(rows, 2)
     assert lines[2:] == ["| 1–2 | 0.100 | 0.30 |", "| 3–4 | 0.350 | 0.20 |", "| 5–5 | 0.500 | 0.50 |"]
+
+
+def test_program_styles_matches_each_sample_to_its_problems_programs(tmp_path, capsys):
+    """Real test tasks (three programs each); samples that reuse a style with other spacing, that write something
+    else, that make no call or that end in a sandbox error."""
+    first, second = generate_tasks(2, seed=0, split="test", difficulty=1, families=["mod_pow", "gcd"])
+    test_file = tmp_path / "test.jsonl"
+    test_file.write_text(
+        "".join(json.dumps({"id": p.id, "problem": p.problem, "meta": p.meta}) + "\n" for p in [first, second])
+    )
+    a1, a2, _ = [first.meta["solution_code"], *first.meta["other_solutions"]]
+    b1 = second.meta["solution_code"]
+    spaced = "\n\n" + a2.replace(" ", "  ") + "\n"  # style 2 with other whitespace
+    folder = tmp_path / "eval-x"
+    folder.mkdir()
+    problems = [
+        {  # styles 1, 1, 2, other; the other sample is wrong; a fifth made no call
+            "problem_id": first.id,
+            "rewards": [1.0, 1.0, 1.0, 0.0, 0.0],
+            "finish_reasons": ["answer"] * 5,
+            "programs": [[a1], [a1, "print(1)"], [spaced], ["print('hello world, nothing alike')"], []],
+        },
+        {  # style 1 twice; the second ended in a sandbox error (no reward)
+            "problem_id": second.id,
+            "rewards": [0.0],
+            "finish_reasons": ["answer", "sandbox_error"],
+            "programs": [[b1], [b1]],
+        },
+    ]
+    (folder / "test.json").write_text(json.dumps({"report": {}, "problems": problems}))
+    (folder / "results.json").write_text(json.dumps([{"name": "test"}]))
+
+    refs = program_styles.load_references(test_file)
+    per_problem = program_styles.styles_of(problems, refs, 0.8, folder)
+    assert [style for style, _, _ in per_problem[0][1]] == ["style 1", "style 1", "style 2", "other"]
+    assert [reward for _, _, reward in per_problem[1][1]] == [0.0, None]
+    out = program_styles.summary(per_problem, 3)
+    assert out["tool_share"] == pytest.approx(6 / 7)
+    assert out["shares"] == pytest.approx({"style 1": 4 / 6, "style 2": 1 / 6, "style 3": 0.0, "other": 1 / 6})
+    # problem 1: shares 1/2, 1/4, 1/4; problem 2: one style
+    assert out["style_entropy"] == pytest.approx((-(0.5 * math.log(0.5) + 0.5 * math.log(0.25)) + 0.0) / 2)
+    assert out["distinct"] == pytest.approx((3 + 1) / 2)  # the spaced style 2 is style 2's program
+    assert out["accuracy"] == {"style 1": (2 / 3, 3), "style 2": (1.0, 1), "other": (0.0, 1)}
+
+    program_styles.main([str(test_file), str(folder), "--by-family"])
+    printed = capsys.readouterr().out
+    assert "| eval-x | 85.7 | 66.7 | 16.7 | 0.0 | 16.7 | 0.520 | 2.00 |" in printed
+    assert "| gcd | 100 / 0 / 0 / 0 |" in printed and "| mod_pow | 50 / 25 / 0 / 25 |" in printed
+
+    old = tmp_path / "eval-old"
+    old.mkdir()
+    (old / "test.json").write_text(
+        json.dumps({"problems": [{k: v for k, v in problems[0].items() if k != "programs"}]})
+    )
+    (old / "results.json").write_text(json.dumps([{"name": "test"}]))
+    with pytest.raises(SystemExit, match="no per-sample programs"):
+        program_styles.main([str(test_file), str(old)])
