@@ -138,3 +138,17 @@ def test_a_results_folder_carries_a_sweep_to_a_new_output_folder(tmp_path, capsy
         experiment.run(
             load_config(ExperimentConfig, None, [f"run.output_dir={tmp_path / 'c'}", *common, "rl.steps=3"])
         )
+
+
+def test_the_entropy_plot_marks_each_targets_variants_and_none_for_grpo():
+    config = load_config(
+        ExperimentConfig,
+        None,
+        [
+            "rl.stare.target_entropy=0.12",
+            "variants={grpo-ds: {enabled: false}, a: {enabled: true, target_entropy: 0.18}, "
+            "b: {enabled: true, target_entropy: 0.18}, c: {enabled: true}}",
+        ],
+    )
+    assert experiment.entropy_targets(config, ["grpo-ds", "a", "b", "c"]) == {0.18: ["a", "b"], 0.12: ["c"]}
+    assert experiment.entropy_targets(config, ["grpo-ds"]) == {}

@@ -473,7 +473,7 @@ def write_report(config: ExperimentConfig, run_dir: Path) -> Path:
     test_file = run_dir / "data" / "test.jsonl"
     if test_file.exists() and (sft_numbers or data["runs"]):
         lines += ["", *family_table(data, families(test_file), pass_key)]
-    figure = _plot(data["runs"], run_dir / "entropy.png", config.rl.stare.target_entropy)
+    figure = _plot(data["runs"], run_dir / "entropy.png", entropy_targets(config, list(data["runs"])))
     if figure:
         lines += ["", f"![entropy]({figure.name})"]
     (run_dir / "report.json").write_text(json.dumps(summary, indent=2))
@@ -493,8 +493,19 @@ def _without_lists(numbers: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: v for k, v in numbers.items() if not isinstance(v, list) and k != "by_problem"}
 
 
-def _plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, target: float) -> Path | None:
-    """Entropy per step: each seed thin, the mean over seeds thick, one colour per variant."""
+def entropy_targets(config: ExperimentConfig, variants: list[str]) -> dict[float, list[str]]:
+    """H_tgt -> the variants (of `variants`, STARE on) that hold entropy to it; variants may set their own."""
+    targets: dict[float, list[str]] = {}
+    for variant in variants:
+        stare = config.variant_stare(variant)
+        if stare.enabled:
+            targets.setdefault(stare.target_entropy, []).append(variant)
+    return targets
+
+
+def _plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, targets: dict[float, list[str]]) -> Path | None:
+    """Entropy per step: each seed thin, the mean over seeds thick, one colour per variant; a dashed line at
+    each H_tgt the variants use."""
     if not runs:
         return None
     import matplotlib
@@ -511,7 +522,8 @@ def _plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, target: float)
         length = min(len(c) for c in curves)
         average = [statistics.fmean(c[j] for c in curves) for j in range(length)]
         ax.plot(range(1, length + 1), average, color=colour, lw=2, label=f"{variant} (mean of {len(curves)})")
-    ax.axhline(target, color="grey", ls="--", lw=1, label=f"H_tgt = {target:g}")
+    for target, variants in sorted(targets.items()):
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"H_tgt = {target:g} ({', '.join(variants)})")
     ax.set(xlabel="RL step", ylabel="policy entropy (nats, action tokens)", title="entropy per step")
     ax.legend(fontsize=8)
     fig.tight_layout()
