@@ -1,4 +1,5 @@
-"""The scripts in benchmarks/ that read runs (rl_experiment, rl_diagnostics, heldout_noise, program_styles): their
+"""The scripts in benchmarks/ that read runs (rl_experiment, rl_diagnostics, heldout_noise, program_styles,
+paired_evals): their
 tables from hand-made metrics rows and evaluation files."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ experiment = _load("rl_experiment")
 diagnostics = _load("rl_diagnostics")
 heldout_noise = _load("heldout_noise")
 program_styles = _load("program_styles")
+paired_evals = _load("paired_evals")
 
 
 def _row(step, entropy, accuracy, regime, w_star=None, lam=1.0, gam=1.0, precision=0.5):
@@ -218,3 +220,36 @@ def test_program_styles_matches_each_sample_to_its_problems_programs(tmp_path, c
     (old / "results.json").write_text(json.dumps([{"name": "test"}]))
     with pytest.raises(SystemExit, match="no per-sample programs"):
         program_styles.main([str(test_file), str(old)])
+
+
+def _eval_folder(path, rewards_by_problem, pass_k):
+    path.mkdir(parents=True)
+    problems = [{"problem_id": pid, "rewards": r} for pid, r in rewards_by_problem.items()]
+    (path / "test.json").write_text(json.dumps({"problems": problems}))
+    avg = statistics.fmean(statistics.fmean(r) for r in rewards_by_problem.values())
+    report = {"name": "test", "samples_per_problem": 2, "avg_at_k": avg, "pass_at": {"1": avg, "2": pass_k}}
+    (path / "results.json").write_text(json.dumps([report | {"mean_tool_calls": 1.0, "mean_response_length": 9}]))
+    return path
+
+
+def test_paired_evals_prints_each_pairs_change_and_the_interval_over_pairs(tmp_path, capsys):
+    before = [
+        _eval_folder(tmp_path / "b0", {"p": [1.0, 0.0], "q": [0.0, 0.0]}, 0.5),
+        _eval_folder(tmp_path / "b1", {"p": [1.0, 1.0], "q": [0.0, 0.0]}, 0.5),
+    ]
+    after = [
+        _eval_folder(tmp_path / "a0", {"q": [1.0, 0.0], "p": [1.0, 1.0]}, 1.0),  # order differs: matched by id
+        _eval_folder(tmp_path / "a1", {"p": [0.0, 0.0], "q": [0.0, 0.0]}, 0.0),
+    ]
+    paired_evals.main(["--before", *map(str, before), "--after", *map(str, after)])
+    out = capsys.readouterr().out
+    assert f"| {before[0]} | {after[0]} | 25.0 | 75.0 | +50.0 | 50.0 | 100.0 | +50.0 |" in out
+    assert f"| {before[1]} | {after[1]} | 50.0 | 0.0 | -50.0 | 50.0 | 0.0 | -50.0 |" in out
+    half = 100 * 12.706 * statistics.stdev([0.5, -0.5]) / 2**0.5
+    assert f"avg@k change, mean over 2 pairs (points, 95% t-interval): +0.0 [{-half:+.1f}, {half:+.1f}]" in out
+    assert "pooled over pairs (4 problem-runs" in out
+
+    with pytest.raises(SystemExit, match="not evaluations of the same problems"):
+        paired_evals.main(["--before", str(before[0]), "--after", str(_eval_folder(tmp_path / "x", {"p": [1.0]}, 1))])
+    with pytest.raises(SystemExit, match="pair them one to one"):
+        paired_evals.main(["--before", str(before[0]), "--after", *map(str, after)])

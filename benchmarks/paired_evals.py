@@ -1,0 +1,72 @@
+"""Two evaluations of each run on the same problems (say a run's checkpoint at step 60 and at step 120): the change.
+
+    python benchmarks/paired_evals.py --before EVAL_DIR [EVAL_DIR ...] --after EVAL_DIR [EVAL_DIR ...]
+
+The i-th folder of --before is paired with the i-th of --after (one pair per seed). Per pair: avg@k and the
+largest pass@k before and after, and their changes; over the pairs: the mean change with its 95% t-interval
+(over seeds), and the pooled per-problem change of avg@k with a bootstrap interval over problems (how much of
+it the test set alone could make). Problems are matched by id; both evaluations must hold the same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from stare_agent.backends.local.experiment import eval_numbers
+from stare_agent.stats import bootstrap_interval, t_interval
+
+
+def _numbers(folder: Path) -> dict:
+    numbers = eval_numbers(folder)
+    if numbers is None:
+        raise SystemExit(f"{folder}: no results.json (not a finished evaluation)")
+    return numbers
+
+
+def _interval(values: list[float]) -> str:
+    mean, low, high = t_interval(values)
+    if low is None:
+        return f"{100 * mean:+.1f} (one pair: no interval)"
+    return f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, nargs="+", required=True)
+    parser.add_argument("--after", type=Path, nargs="+", required=True)
+    args = parser.parse_args(argv)
+    if len(args.before) != len(args.after):
+        raise SystemExit(
+            f"--before has {len(args.before)} folders and --after {len(args.after)}: pair them one to one"
+        )
+    d_avg, d_pass, per_problem, pass_key = [], [], [], None
+    rows = []
+    for before, after in zip(args.before, args.after, strict=True):
+        b, a = _numbers(before), _numbers(after)
+        if b["pass_k"] != a["pass_k"] or set(b["by_problem"]) != set(a["by_problem"]):
+            raise SystemExit(f"{before} and {after} are not evaluations of the same problems at the same k")
+        pass_key = f"pass@{a['pass_k']}"
+        d_avg.append(a["avg@k"] - b["avg@k"])
+        d_pass.append(a[pass_key] - b[pass_key])
+        per_problem += [a["by_problem"][pid] - b["by_problem"][pid] for pid in b["by_problem"]]
+        rows.append(
+            f"| {before} | {after} | {100 * b['avg@k']:.1f} | {100 * a['avg@k']:.1f} | {100 * d_avg[-1]:+.1f} "
+            f"| {100 * b[pass_key]:.1f} | {100 * a[pass_key]:.1f} | {100 * d_pass[-1]:+.1f} |"
+        )
+    print(f"| before | after | avg@k before (%) | after | change | {pass_key} before (%) | after | change |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
+    low, high = bootstrap_interval(per_problem)
+    mean = sum(per_problem) / len(per_problem)
+    print()
+    print(f"- avg@k change, mean over {len(d_avg)} pairs (points, 95% t-interval): {_interval(d_avg)}")
+    print(f"- {pass_key} change, mean over {len(d_pass)} pairs (points, 95% t-interval): {_interval(d_pass)}")
+    print(
+        f"- avg@k change per problem, pooled over pairs ({len(per_problem)} problem-runs; 95% bootstrap over them): "
+        f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+    )
+
+
+if __name__ == "__main__":
+    main()
