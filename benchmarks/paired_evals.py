@@ -5,12 +5,16 @@
 The i-th folder of --before is paired with the i-th of --after (one pair per seed). Per pair: avg@k and the
 largest pass@k before and after, and their changes; over the pairs: the mean change with its 95% t-interval
 (over seeds), and the pooled per-problem change of avg@k with a bootstrap interval over problems (how much of
-it the test set alone could make). Problems are matched by id; both evaluations must hold the same ones.
+it the test set alone could make); and the problems solved (at least one right sample) before and never after, and
+the reverse: what moves pass@k, with the exact two-sided sign test (McNemar's) on those discordant problems (it
+takes them as independent; with several pairs over one test set they are not quite). Problems are matched by id;
+both evaluations must hold the same ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from stare_agent.backends.local.experiment import eval_numbers
@@ -22,6 +26,15 @@ def _numbers(folder: Path) -> dict:
     if numbers is None:
         raise SystemExit(f"{folder}: no results.json (not a finished evaluation)")
     return numbers
+
+
+def sign_test(a: int, b: int) -> float:
+    """Exact two-sided p-value of a split of a + b discordant problems into a and b under a fair coin."""
+    n = a + b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(a, b) + 1)) / 2**n
+    return min(1.0, 2 * tail)
 
 
 def _interval(values: list[float]) -> str:
@@ -41,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
             f"--before has {len(args.before)} folders and --after {len(args.after)}: pair them one to one"
         )
     d_avg, d_pass, per_problem, pass_key = [], [], [], None
+    lost, gained, problems = 0, 0, 0
     rows = []
     for before, after in zip(args.before, args.after, strict=True):
         b, a = _numbers(before), _numbers(after)
@@ -50,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
         d_avg.append(a["avg@k"] - b["avg@k"])
         d_pass.append(a[pass_key] - b[pass_key])
         per_problem += [a["by_problem"][pid] - b["by_problem"][pid] for pid in b["by_problem"]]
+        lost += sum(b["by_problem"][pid] > 0 and a["by_problem"][pid] == 0 for pid in b["by_problem"])
+        gained += sum(b["by_problem"][pid] == 0 and a["by_problem"][pid] > 0 for pid in b["by_problem"])
+        problems += len(b["by_problem"])
         rows.append(
             f"| {before} | {after} | {100 * b['avg@k']:.1f} | {100 * a['avg@k']:.1f} | {100 * d_avg[-1]:+.1f} "
             f"| {100 * b[pass_key]:.1f} | {100 * a[pass_key]:.1f} | {100 * d_pass[-1]:+.1f} |"
@@ -65,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"- avg@k change per problem, pooled over pairs ({len(per_problem)} problem-runs; 95% bootstrap over them): "
         f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
+    )
+    print(
+        f"- problems solved before and never after: {lost} of {problems}; never before, solved after: {gained} "
+        f"(sign test p = {sign_test(lost, gained):.3f})"
     )
 
 

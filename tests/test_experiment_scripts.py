@@ -248,6 +248,9 @@ def test_paired_evals_prints_each_pairs_change_and_the_interval_over_pairs(tmp_p
     half = 100 * 12.706 * statistics.stdev([0.5, -0.5]) / 2**0.5
     assert f"avg@k change, mean over 2 pairs (points, 95% t-interval): +0.0 [{-half:+.1f}, {half:+.1f}]" in out
     assert "pooled over pairs (4 problem-runs" in out
+    assert "solved before and never after: 1 of 4; never before, solved after: 1 (sign test p = 1.000)" in out
+    assert paired_evals.sign_test(20, 9) == pytest.approx(0.0614, abs=1e-4)  # 2 * P(X <= 9), X ~ Bin(29, 1/2)
+    assert paired_evals.sign_test(0, 5) == pytest.approx(2 / 32) and paired_evals.sign_test(0, 0) == 1.0
 
     with pytest.raises(SystemExit, match="not evaluations of the same problems"):
         paired_evals.main(["--before", str(before[0]), "--after", str(_eval_folder(tmp_path / "x", {"p": [1.0]}, 1))])
