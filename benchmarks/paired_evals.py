@@ -1,6 +1,6 @@
 """Two evaluations of each run on the same problems (say a run's checkpoint at step 60 and at step 120): the change.
 
-    python benchmarks/paired_evals.py --before EVAL_DIR [EVAL_DIR ...] --after EVAL_DIR [EVAL_DIR ...]
+    python benchmarks/paired_evals.py --before EVAL_DIR [EVAL_DIR ...] --after EVAL_DIR [EVAL_DIR ...] [--curve]
 
 The i-th folder of --before is paired with the i-th of --after (one pair per seed). Per pair: avg@k and the
 largest pass@k before and after, and their changes; over the pairs: the mean change with its 95% t-interval
@@ -8,16 +8,21 @@ largest pass@k before and after, and their changes; over the pairs: the mean cha
 it the test set alone could make); and the problems solved (at least one right sample) before and never after, and
 the reverse: what moves pass@k, with the exact two-sided sign test (McNemar's) on those discordant problems (it
 takes them as independent; with several pairs over one test set they are not quite). Problems are matched by id;
-both evaluations must hold the same ones.
+both evaluations must hold the same ones. --curve adds the whole pass@k curve (k = 1, 2, 4, ... up to the samples
+per problem): before and after, the change over pairs and the pooled per-problem change, where a coverage loss
+at large k shows even when pass@1 rises.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import statistics
 from pathlib import Path
 
 from stare_agent.backends.local.experiment import eval_numbers
+from stare_agent.eval import pass_at_k, pass_ks
 from stare_agent.stats import bootstrap_interval, t_interval
 
 
@@ -37,6 +42,39 @@ def sign_test(a: int, b: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def _rewards(folder: Path) -> dict[str, list[float]]:
+    """problem id -> its scored rewards, from the folder's one benchmark."""
+    (report,) = json.loads((folder / "results.json").read_text())
+    problems = json.loads((folder / f"{report['name']}.json").read_text())["problems"]
+    return {p["problem_id"]: [r for r in p["rewards"] if r is not None] for p in problems if p["rewards"]}
+
+
+def _pass(rewards: list[float], k: int) -> float:
+    return pass_at_k(len(rewards), sum(r >= 1.0 for r in rewards), k)
+
+
+def curve(pairs: list[tuple[Path, Path]]) -> list[str]:
+    """Markdown rows: pass@k before and after for every k both evaluations reach, with the changes."""
+    data = [(_rewards(b), _rewards(a)) for b, a in pairs]
+    n = min(len(r) for before, after in data for r in [*before.values(), *after.values()])
+    lines = [
+        "| k | pass@k before (%, mean over pairs) | after | change over pairs (points, 95% t-interval) "
+        "| change per problem, pooled (95% bootstrap) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for k in pass_ks(n):
+        before = [statistics.fmean(_pass(r, k) for r in b.values()) for b, _ in data]
+        after = [statistics.fmean(_pass(r, k) for r in a.values()) for _, a in data]
+        pooled = [_pass(a[pid], k) - _pass(b[pid], k) for b, a in data for pid in b]
+        low, high = bootstrap_interval(pooled)
+        lines.append(
+            f"| {k} | {100 * statistics.fmean(before):.1f} | {100 * statistics.fmean(after):.1f} "
+            f"| {_interval([y - x for x, y in zip(before, after, strict=True)])} "
+            f"| {100 * statistics.fmean(pooled):+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] |"
+        )
+    return lines
+
+
 def _interval(values: list[float]) -> str:
     mean, low, high = t_interval(values)
     if low is None:
@@ -48,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, nargs="+", required=True)
     parser.add_argument("--after", type=Path, nargs="+", required=True)
+    parser.add_argument("--curve", action="store_true", help="also the whole pass@k curve")
     args = parser.parse_args(argv)
     if len(args.before) != len(args.after):
         raise SystemExit(
@@ -87,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         f"- problems solved before and never after: {lost} of {problems}; never before, solved after: {gained} "
         f"(sign test p = {sign_test(lost, gained):.3f})"
     )
+    if args.curve:
+        print()
+        print("\n".join(curve(list(zip(args.before, args.after, strict=True)))))
 
 
 if __name__ == "__main__":

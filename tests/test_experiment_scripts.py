@@ -241,7 +241,7 @@ def test_paired_evals_prints_each_pairs_change_and_the_interval_over_pairs(tmp_p
         _eval_folder(tmp_path / "a0", {"q": [1.0, 0.0], "p": [1.0, 1.0]}, 1.0),  # order differs: matched by id
         _eval_folder(tmp_path / "a1", {"p": [0.0, 0.0], "q": [0.0, 0.0]}, 0.0),
     ]
-    paired_evals.main(["--before", *map(str, before), "--after", *map(str, after)])
+    paired_evals.main(["--before", *map(str, before), "--after", *map(str, after), "--curve"])
     out = capsys.readouterr().out
     assert f"| {before[0]} | {after[0]} | 25.0 | 75.0 | +50.0 | 50.0 | 100.0 | +50.0 |" in out
     assert f"| {before[1]} | {after[1]} | 50.0 | 0.0 | -50.0 | 50.0 | 0.0 | -50.0 |" in out
@@ -249,6 +249,10 @@ def test_paired_evals_prints_each_pairs_change_and_the_interval_over_pairs(tmp_p
     assert f"avg@k change, mean over 2 pairs (points, 95% t-interval): +0.0 [{-half:+.1f}, {half:+.1f}]" in out
     assert "pooled over pairs (4 problem-runs" in out
     assert "solved before and never after: 1 of 4; never before, solved after: 1 (sign test p = 1.000)" in out
+    # the curve, by hand: pass@1 0.25 -> 0.75 and 0.5 -> 0; pass@2 (any right sample) 0.5 -> 1 and 0.5 -> 0
+    assert "| 1 | 37.5 | 37.5 | +0.0 [" in out and "| 2 | 50.0 | 50.0 | +0.0 [" in out
+    (pair0_k2,) = [line for line in paired_evals.curve([(before[0], after[0])]) if line.startswith("| 2 |")]
+    assert pair0_k2.startswith("| 2 | 50.0 | 100.0 | +50.0 (one pair: no interval) | +50.0 [")
     assert paired_evals.sign_test(20, 9) == pytest.approx(0.0614, abs=1e-4)  # 2 * P(X <= 9), X ~ Bin(29, 1/2)
     assert paired_evals.sign_test(0, 5) == pytest.approx(2 / 32) and paired_evals.sign_test(0, 0) == 1.0
 
