@@ -16,12 +16,11 @@ at large k shows even when pass@1 rises.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from pathlib import Path
 
-from stare_agent.backends.local.experiment import eval_numbers
+from stare_agent.backends.local.experiment import eval_numbers, eval_results
 from stare_agent.eval import pass_at_k, pass_ks
 from stare_agent.stats import bootstrap_interval, t_interval
 
@@ -44,8 +43,10 @@ def sign_test(a: int, b: int) -> float:
 
 def _rewards(folder: Path) -> dict[str, list[float]]:
     """problem id -> its scored rewards, from the folder's one benchmark."""
-    (report,) = json.loads((folder / "results.json").read_text())
-    problems = json.loads((folder / f"{report['name']}.json").read_text())["problems"]
+    finished = eval_results(folder)
+    if finished is None:
+        raise SystemExit(f"{folder}: no results.json (not a finished evaluation)")
+    _, problems = finished
     return {p["problem_id"]: [r for r in p["rewards"] if r is not None] for p in problems if p["rewards"]}
 
 

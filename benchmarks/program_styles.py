@@ -24,6 +24,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from stare_agent.backends.local.experiment import eval_results
+
 OTHER = "other"
 
 
@@ -66,13 +68,12 @@ def load_references(test_file: Path) -> dict[str, dict[str, Any]]:
 
 def load_samples(eval_dir: Path) -> list[dict[str, Any]]:
     """The per-problem results of the folder's one benchmark, each with its samples' programs."""
-    results = eval_dir / "results.json"
-    if not results.exists():
+    finished = eval_results(eval_dir)
+    if finished is None:
         raise SystemExit(f"{eval_dir}: no results.json (not a finished evaluation)")
-    (report,) = json.loads(results.read_text())
-    path = eval_dir / f"{report['name']}.json"
-    problems = json.loads(path.read_text())["problems"]
+    report, problems = finished
     if problems and "programs" not in problems[0]:
+        path = eval_dir / f"{report['name']}.json"
         raise SystemExit(f"{path}: no per-sample programs (evaluated before they were recorded); evaluate again")
     return problems
 

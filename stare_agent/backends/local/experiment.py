@@ -290,13 +290,21 @@ def run(config: ExperimentConfig) -> Path:
 # --- the report -------------------------------------------------------------------------------------------
 
 
-def eval_numbers(eval_dir: Path) -> dict[str, Any] | None:
-    """avg@k, pass@k (largest k) and the per-problem accuracies of a finished evaluation; None if unfinished."""
+def eval_results(eval_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The report and per-problem results of a finished evaluation of one benchmark; None if unfinished."""
     results = eval_dir / "results.json"
     if not results.exists():
         return None
     (report,) = json.loads(results.read_text())  # one benchmark: the held-out test file
-    problems = json.loads((eval_dir / f"{report['name']}.json").read_text())["problems"]
+    return report, json.loads((eval_dir / f"{report['name']}.json").read_text())["problems"]
+
+
+def eval_numbers(eval_dir: Path) -> dict[str, Any] | None:
+    """avg@k, pass@k (largest k) and the per-problem accuracies of a finished evaluation; None if unfinished."""
+    finished = eval_results(eval_dir)
+    if finished is None:
+        return None
+    report, problems = finished
     scored = {p["problem_id"]: [r for r in p["rewards"] if r is not None] for p in problems}
     accuracy = {pid: problem_accuracy(rewards) for pid, rewards in scored.items() if rewards}
     k_max = max(int(k) for k in report["pass_at"])
