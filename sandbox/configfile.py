@@ -105,9 +105,13 @@ def fields_of(cls: type) -> dict[str, Any]:
 def _unknown(root: type, key: str, known: Sequence[str], where: str, cls: type | None = None) -> ConfigError:
     """The error for an unknown key, suggesting a close name at this level or the same name in another section.
 
-    A key the dataclass `cls` lists in its RENAMED_KEYS ({old name: new name}) gets the new name instead.
+    A key the dataclass `cls` lists in its RENAMED_KEYS ({old name: new name}) gets the new name instead, and one
+    it lists in its REPLACED_KEYS ({old name: what to do instead}) that text.
     """
     leaf = key.rsplit(".", 1)[-1]
+    replaced = getattr(cls, "REPLACED_KEYS", {}).get(leaf)
+    if replaced is not None:
+        return ConfigError(f"{where}: {key!r} is gone: {replaced}")
     renamed = getattr(cls, "RENAMED_KEYS", {}).get(leaf)
     if renamed is not None:
         new = key.rsplit(".", 1)[0] + "." + renamed if "." in key else renamed

@@ -70,10 +70,10 @@ def check(run: Path, exit_code: int, wall_s: float, limit_s: float) -> tuple[lis
         rows = read_rows(rl_dir / "metrics.jsonl")
         if steps is not None and len(rows) != steps:
             failures.append(f"{rl_dir.name}: {len(rows)} metrics rows for {steps} configured steps")
-        # a step whose groups all had equal rewards is dropped by dynamic sampling and updates nothing
-        updated = [row for row in rows if row.get("train/updated")]
+        # every logged step trained one full batch (a run that cannot fill one ends instead: stare_agent/batching.py)
+        updated = [row for row in rows if "train/loss" in row]
         if not updated:
-            failures.append(f"{rl_dir.name}: no step updated the model (every group had equal rewards)")
+            failures.append(f"{rl_dir.name}: no step trained the model (no batch could be filled)")
         elif not all(math.isfinite(row.get("train/loss", math.nan)) for row in updated):
             failures.append(f"{rl_dir.name}: train/loss missing or not finite on an updated step")
         if rl_dir.name != "rl-grpo-ds" and updated and not values(updated, "stare/entropy_mean"):

@@ -140,6 +140,11 @@ class EpisodeResult:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def prompt_too_long(self) -> bool:
+        """The episode ended before its first turn: the prompt left no room for a response under the budget."""
+        return not self.turns
+
+    @property
     def tool_calls(self) -> int:
         return sum(turn.code is not None for turn in self.turns)
 

@@ -344,11 +344,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _expected_failure(exc: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) for a failure that is the input's or the environment's, not a bug."""
     from sandbox.client import SandboxUnavailable
+    from stare_agent.batching import NoStepTrained, SandboxFailures
 
     if isinstance(exc, (ConfigError, DataError)):
         return 2, str(exc)
     if isinstance(exc, SandboxUnavailable):
         return 3, f"sandbox unavailable: {exc}"
+    if isinstance(exc, SandboxFailures):
+        return 3, str(exc)
+    if isinstance(exc, NoStepTrained):
+        return 4, str(exc)
     return None
 
 

@@ -13,7 +13,7 @@ import datetime as dt
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
@@ -296,9 +296,23 @@ class RolloutConfig:
     batch_size: int = 128
     """Episodes generated together in lock step."""
     dynamic_sampling: bool = True
-    """Drop groups whose rewards are all equal (no signal) and refill with new prompts."""
-    max_refill_rounds: int = 3
-    """Extra generation rounds per step to refill dropped groups; afterwards the step uses what it has."""
+    """Drop groups whose rewards are all equal (no signal). Dropped groups (these, sandbox failures and prompts too
+    long for the budget) are replaced by new prompts until the batch holds prompts_per_step groups."""
+    max_prompts_per_step: int = 0
+    """Prompts one step may consume while it fills its batch (0 = 8 x prompts_per_step). A step that has not filled
+    its batch by then ends the run cleanly after the steps it trained: a partial batch is never trained."""
+    max_sandbox_failure_fraction: float = 0.5
+    """A step in which more than this share of the groups failed in the sandbox stops the run with an error."""
+
+    REPLACED_KEYS: ClassVar[dict[str, str]] = {
+        "max_refill_rounds": "a step now refills until its batch is full; rollout.max_prompts_per_step bounds the "
+        "prompts one step may consume (0 = 8 x prompts_per_step)",
+    }
+
+    @property
+    def prompt_budget(self) -> int:
+        """Prompts one step may consume (max_prompts_per_step, or its default)."""
+        return self.max_prompts_per_step or 8 * self.prompts_per_step
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2 or self.batch_size < 1:
@@ -311,8 +325,15 @@ class RolloutConfig:
                 "distribution, and a nucleus-truncated sample would make every ratio and surprisal off-policy; "
                 "lower rollout.temperature instead (eval.top_p may be < 1)"
             )
-        if self.max_refill_rounds < 0:
-            raise ValueError(f"max_refill_rounds must be >= 0; got {self.max_refill_rounds}")
+        if self.max_prompts_per_step and self.max_prompts_per_step < self.prompts_per_step:
+            raise ValueError(
+                f"max_prompts_per_step must be 0 (= 8 x prompts_per_step) or >= prompts_per_step="
+                f"{self.prompts_per_step}; got {self.max_prompts_per_step}"
+            )
+        if not 0 <= self.max_sandbox_failure_fraction <= 1:
+            raise ValueError(
+                f"max_sandbox_failure_fraction must be in [0, 1]; got {self.max_sandbox_failure_fraction}"
+            )
 
 
 @dataclass
@@ -487,9 +508,7 @@ class QuickstartConfig:
     rl: RLConfig = field(
         default_factory=lambda: RLConfig(
             agent=_quickstart_agent(),
-            rollout=RolloutConfig(
-                prompts_per_step=8, group_size=8, max_turn_tokens=160, batch_size=64, max_refill_rounds=1
-            ),
+            rollout=RolloutConfig(prompts_per_step=8, group_size=8, max_turn_tokens=160, batch_size=64),
             optim=OptimConfig(lr=2e-4),
             loss=PolicyLossConfig(micro_batch_size=32),
             # chosen by measurement on this task (docs/quickstart.md), not the paper's 7B values

@@ -125,7 +125,9 @@ def write_run_config(folder: Path, model: Path, steps: int, resume: str = "", **
     """The run's config file (prompts written next to it); `openrlhf` changes the OpenRLHF block (None = drop)."""
     prompts = folder / "prompts.jsonl"
     if not prompts.exists():
-        rows = [{"problem": f"What is 6 times 7? (variant {i})", "answer": "42"} for i in range(8)]
+        # Half the gold answers are out of the model's reach: those groups have equal rewards (all 0) and are
+        # dropped and refilled; a step still trains exactly prompts_per_step groups.
+        rows = [{"problem": f"What is 6 times 7? (variant {i})", "answer": "42" if i % 2 else "43"} for i in range(8)]
         prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = {
         "backend": "openrlhf",
@@ -285,11 +287,30 @@ def test_two_optimizer_steps_happened_and_were_checkpointed(trained):
 
 @pytest.mark.slow
 @needs_the_stack
+def test_every_step_trained_one_full_batch_and_every_dropped_group_is_counted(trained):
+    """OpenRLHF alone would train what its prompt budget leaves; the hooks refill until each batch is full."""
+    logged = {tag: dict(values) for tag, values in scalars(trained.run_dir).items()}
+    kept, consumed = logged["train/rollout/groups_kept"], logged["train/rollout/prompts_consumed"]
+    assert kept == {1: 2.0, 2: 2.0}
+    dropped = {
+        step: sum(
+            logged[f"train/rollout/groups_dropped_{why}"][step] for why in ("equal", "sandbox", "prompt_too_long")
+        )
+        for step in (1, 2)
+    }
+    assert all(consumed[step] == kept[step] + dropped[step] for step in (1, 2))
+    assert "train/sandbox_failed" not in logged  # a trained sample never has one: the group counts say it
+    assert "rl: trained 2 of 2 steps; the final model is in" in trained.output
+    assert logged["train/rollout/groups_dropped_sandbox"] == {1: 0.0, 2: 0.0}
+
+
+@pytest.mark.slow
+@needs_the_stack
 def test_the_agent_ran_tool_calls_in_the_sandbox_and_groups_had_mixed_rewards(trained):
     logged = scalars(trained.run_dir)
     for step, calls in logged["train/tool_calls"]:
         assert calls == 1.0, f"step {step}: every episode makes exactly the forced call"
-    assert all(value == 0 for _, value in logged["train/tool_errors"] + logged["train/sandbox_failed"])
+    assert all(value == 0 for _, value in logged["train/tool_errors"])
     assert all(0 < value < 1 for _, value in logged["train/reward"])  # the coin: some right, some looping
 
 
@@ -348,11 +369,17 @@ def test_resume_auto_restores_the_stare_controller_and_the_engine_weights(traine
 @pytest.mark.slow
 @needs_the_stack
 def test_a_failure_inside_openrlhf_exits_non_zero_with_its_traceback(coin_model, tmp_path):
-    """OpenRLHF's own post-parse check fails (its default 8 GPUs per node exceed the 2 micro-batches of a step)."""
-    config = write_run_config(tmp_path, coin_model, STEPS, **{"actor.num_gpus_per_node": None})
+    """The model's weights file is cut short: loading fails inside OpenRLHF's actors, after our part."""
+    import shutil
+
+    broken = tmp_path / "broken_model"
+    shutil.copytree(coin_model, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    config = write_run_config(tmp_path, broken, STEPS)
     result = run_cli(config, tmp_path / "report", tmp_path / "run.log")
     assert result.returncode == 1
     assert "Started a local Ray instance" in result.output  # it failed inside OpenRLHF, after our part
     assert "train_ppo_ray.py" in result.output
-    assert "AssertionError: The number of sample batches must be greater" in result.output
     assert (tmp_path / "runs" / "rl" / "config.yaml").exists()
+    assert "rl: trained" not in result.output

@@ -3,12 +3,13 @@ real parser checks the result (skipped where openrlhf is absent)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 
 import pytest
 
-from stare_agent.backends.openrlhf.launch import check_block, resolve_rl, rl_flags, to_argv
+from stare_agent.backends.openrlhf.launch import check_block, even_split_problems, resolve_rl, rl_flags, to_argv
 from stare_agent.config import ConfigError, RLConfig, load_config
 
 needs_openrlhf = pytest.mark.skipif(importlib.util.find_spec("openrlhf") is None, reason="openrlhf not installed")
@@ -32,7 +33,8 @@ def test_our_keys_become_openrlhf_flags():
     flags = {k: v for k, (v, _) in rl_flags(cfg, Path("/runs/x"), "/pkg/agent_executor.py").items()}
     assert flags["rollout.batch_size"] == 64 and flags["rollout.n_samples_per_prompt"] == 8
     assert flags["train.batch_size"] == 512  # one on-policy update per rollout batch
-    assert flags["data.max_samples"] == 300 * 64  # OpenRLHF's schedule then has exactly 300 steps
+    # no prompt budget: the hooks draw prompts in passes until `steps` full batches are trained
+    assert "data.max_samples" not in flags and flags["train.num_episodes"] == 1
     assert flags["actor.eps_clip_low_high"] == [0.2, 0.3] and flags["actor.dual_clip"] == 3.0
     assert flags["data.max_len"] == 8192 and flags["actor.lr_warmup_ratio"] == pytest.approx(0.1)
     assert (flags["algo.advantage.estimator"], flags["algo.kl.init_coef"]) == ("group_norm", 0.0)
@@ -75,6 +77,61 @@ def test_conflicts_and_unsupported_combinations_are_refused(override, message):
 def test_allowed_passthrough_is_kept():
     cfg = config("openrlhf.vllm.num_engines=8", "openrlhf.train.async_enable=false")
     check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))  # no error
+
+
+def placement(ranks=8, nodes=1, forward=2, update=1):
+    """What even_split_problems reads of OpenRLHF's parsed flags (dotted names, as its parser leaves them)."""
+    return argparse.Namespace(
+        **{
+            "actor.num_nodes": nodes,
+            "actor.num_gpus_per_node": ranks // nodes,
+            "rollout.micro_batch_size": forward,
+            "train.micro_batch_size": update,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompts", "group", "where", "message"),
+    [
+        (64, 8, placement(), None),  # the paper's shape: 256 micro-batches of 2, 32 per rank; 64 samples per rank
+        (64, 8, placement(ranks=16, nodes=2), None),
+        (
+            31,
+            8,
+            placement(forward=16),
+            "do not split into whole micro-batches of openrlhf.rollout.micro_batch_size=16",
+        ),
+        (7, 8, placement(), "shared evenly by 8 training ranks"),  # 28 micro-batches over 8 ranks: 4,4,...,4,0
+        (2, 2, placement(), "in the experience pass"),  # 2 micro-batches, fewer than the ranks
+        (64, 8, placement(update=3), "micro-batches of loss.micro_batch_size=3 shared evenly by 8 training ranks"),
+    ],
+)
+def test_a_step_that_does_not_split_evenly_over_the_ranks_is_refused(prompts, group, where, message):
+    cfg = config(f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}")
+    problems = even_split_problems(cfg, where)
+    if message is None:
+        assert problems == []
+    else:
+        assert any(message in problem for problem in problems), problems
+
+
+@needs_openrlhf
+def test_the_launcher_refuses_an_uneven_split_with_openrlhfs_defaults_filled_in(tmp_path, capsys):
+    """OpenRLHF's parser supplies what the config leaves out (8 GPUs per node): 2 x 4 samples in micro-batches of
+    2 are 4, fewer than 8 ranks. `stare-agent rl --dry-run` refuses it the same way, in one line."""
+    from stare_agent import cli
+
+    cfg = config("rollout.prompts_per_step=2", "rollout.group_size=4", "openrlhf.rollout.micro_batch_size=2")
+    with pytest.raises(ConfigError, match="shared evenly by 8 training ranks .* in the experience pass"):
+        resolve_rl(cfg, tmp_path / "run")
+    overrides = ["backend=openrlhf", "model.path=/models/sft", "data.train_file=/data/p.jsonl", "model.dtype=bfloat16"]
+    small = ["rollout.prompts_per_step=2", "rollout.group_size=4", "openrlhf.rollout.micro_batch_size=2"]
+    code = cli.main(["rl", "--dry-run", *overrides, *small])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "in the experience pass" in err[0]
+    even = ("rollout.prompts_per_step=4", "rollout.group_size=8", "openrlhf.rollout.micro_batch_size=4")
+    resolve_rl(config(*even, "loss.micro_batch_size=4"), tmp_path / "run")  # 8 micro-batches, 1 per rank
 
 
 @needs_openrlhf

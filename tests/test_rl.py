@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from stare_agent import protocol
 from stare_agent.agent import EpisodeResult, Sample
 from stare_agent.backends.local import rl
 from stare_agent.config import ConfigError, RLConfig, load_config
-from stare_agent.data import write_records
+from stare_agent.data import load_problems, write_records
 from stare_agent.tasks import generate_tasks
 from stare_agent.theory import batch_diagnostics
 
@@ -39,29 +40,28 @@ def varied_reward(monkeypatch):
 
 
 def config(tmp_path, model_dir, prompts, name, *overrides):
-    return load_config(
-        RLConfig,
-        None,
-        [
-            f"run.output_dir={tmp_path}",
-            f"run.name={name}",
-            f"model.path={model_dir}",
-            f"data.train_file={prompts}",
-            "rollout.prompts_per_step=3",
-            "rollout.group_size=4",
-            "rollout.max_turn_tokens=24",
-            "rollout.max_refill_rounds=1",
-            "agent.max_total_tokens=160",
-            "agent.system_prompt=null",
-            "agent.tool_mode=stateless",
-            "sandbox.pool_size=1",
-            "optim.lr=1e-3",
-            "loss.micro_batch_size=5",
-            "stare.target_entropy=100",  # far above the tiny model's entropy: the gate is on
-            "stare.w=2",
-            *overrides,
-        ],
-    )
+    return load_config(RLConfig, None, config_overrides(tmp_path, model_dir, prompts, name, *overrides))
+
+
+def config_overrides(tmp_path, model_dir, prompts, name, *overrides):
+    return [
+        f"run.output_dir={tmp_path}",
+        f"run.name={name}",
+        f"model.path={model_dir}",
+        f"data.train_file={prompts}",
+        "rollout.prompts_per_step=3",
+        "rollout.group_size=4",
+        "rollout.max_turn_tokens=24",
+        "agent.max_total_tokens=160",
+        "agent.system_prompt=null",
+        "agent.tool_mode=stateless",
+        "sandbox.pool_size=1",
+        "optim.lr=1e-3",
+        "loss.micro_batch_size=5",
+        "stare.target_entropy=100",  # far above the tiny model's entropy: the gate is on
+        "stare.w=2",
+        *overrides,
+    ]
 
 
 def rows(run_dir):
@@ -75,13 +75,13 @@ def test_two_rl_steps_with_stare_on_and_off(tmp_path, tiny_model_dir, prompts, v
     metrics = rows(tmp_path / "run")
     assert [r["step"] for r in metrics] == [1, 2]
     for r in metrics:
-        assert r["rollout/episodes"] >= 12 and r["train/updated"] == 1.0
+        assert r["rollout/episodes"] >= 12 and r["rollout/groups_kept"] == 3  # a full batch, every step
         assert r["stare/entropy_mean"] > 0 and r["stare/surprisal_mean"] > 0
         assert r["train/rollout_logprob_abs_diff"] < 1e-4  # rollout and training score the same tokens
         assert r["train/clip_frac"] == 0.0  # one on-policy update: the ratio is 1
         for key in ("time/generation", "time/tools", "time/forward", "time/backward", "time/stare"):
             assert r[key] >= 0
-        assert r["rollout/groups_kept"] + r["rollout/groups_dropped_equal"] >= 3
+        assert r["rollout/prompts_consumed"] == 3 + r["rollout/groups_dropped_equal"]
         assert ("stare/gate" in r) == enabled and ("stare/weight_mean" in r) == enabled
         if enabled:
             assert r["stare/gate"] == 1.0 and r["stare/w"] == 2.0 and r["stare/weight_mean"] > 1.0
@@ -300,14 +300,18 @@ class PolicyByProblem:
     """A scripted batch generator (stands in for the model): the answer depends on the problem in the prompt.
 
     kind "varied": right and wrong in turn (a group with both rewards); "flat": always wrong (equal rewards);
-    "broken": code that kills its kernel, so the sandbox fails (a sandbox_error, never a reward).
+    "broken": code that kills its kernel, so the sandbox fails (a sandbox_error, never a reward). Problem i gets
+    kinds[i % len(kinds)]; after `flat_after` calls in all, every problem answers flat.
     """
 
-    def __init__(self, tokenizer, problems):
+    def __init__(self, tokenizer, problems, kinds=("varied", "flat", "varied", "broken"), flat_after=None):
         self.tokenizer = tokenizer
-        self.kinds = {p.problem: ("varied", "flat", "varied", "broken")[i % 4] for i, p in enumerate(problems)}
+        self.kinds = {p.problem: kinds[i % len(kinds)] for i, p in enumerate(problems)}
         self.answers = {p.problem: p.answer for p in problems}
         self.calls: dict[str, int] = {}
+        self.flat_after = flat_after
+        self.stats = SimpleNamespace(seconds=0.0, generated_tokens=0)
+        self.generator = torch.Generator()  # saved in checkpoints like the real generator's
 
     def __call__(self, prompts, max_new_tokens):
         out = []
@@ -316,6 +320,8 @@ class PolicyByProblem:
             problem = next(p for p in self.kinds if p in text)
             count = self.calls[problem] = self.calls.get(problem, 0) + 1
             kind = self.kinds[problem]
+            if self.flat_after is not None and sum(self.calls.values()) > self.flat_after:
+                kind = "flat"
             if kind == "broken":
                 reply = CRASH
             else:
@@ -326,15 +332,32 @@ class PolicyByProblem:
         return out
 
 
+def scripted_rl(monkeypatch, prompts, **policy):
+    """rl.run and rl.Trainer generate with a PolicyByProblem(**policy) over the prompt file's problems."""
+    problems = load_problems(prompts)
+    made = []
+
+    def make(model, tokenizer, **_):
+        made.append(PolicyByProblem(tokenizer, problems, **policy))
+        return made[-1]
+
+    monkeypatch.setattr(rl, "HFGenerator", make)
+    return made
+
+
+SCRIPTED = ["agent.sandbox_retries=1", "agent.retry_backoff_s=0.01"]
+
+
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_dynamic_sampling_drops_equal_and_sandbox_groups_and_refills(tmp_path, tiny_model_dir, prompts, dynamic):
+def test_dynamic_sampling_drops_equal_and_sandbox_groups_and_refills(
+    tmp_path, tiny_model_dir, prompts, dynamic, monkeypatch
+):
+    made = scripted_rl(monkeypatch, prompts)
     trainer = rl.Trainer(
-        config(
-            tmp_path, tiny_model_dir, prompts, f"dyn-{dynamic}", "steps=1", f"rollout.dynamic_sampling={dynamic}",
-            "rollout.max_refill_rounds=5", "agent.sandbox_retries=1", "agent.retry_backoff_s=0.01",
-        )
+        config(tmp_path, tiny_model_dir, prompts, f"dyn-{dynamic}", "steps=1", f"rollout.dynamic_sampling={dynamic}",
+               *SCRIPTED)
     )  # fmt: skip
-    policy = trainer.generator = PolicyByProblem(trainer.tokenizer, trainer.problems)
+    policy = made[0]
 
     async def rollouts():
         from sandbox.client import InProcessClient
@@ -345,23 +368,82 @@ def test_dynamic_sampling_drops_equal_and_sandbox_groups_and_refills(tmp_path, t
 
     import asyncio
 
-    kept, metrics = asyncio.run(rollouts())
+    kept, fill, metrics = asyncio.run(rollouts())
     seen = [policy.kinds[p] for p in policy.calls]  # every problem drawn this step, once each
-    assert metrics["rollout/episodes"] == 4 * len(seen)
+    assert metrics["rollout/episodes"] == 4 * len(seen) == 4 * metrics["rollout/prompts_consumed"]
     assert metrics["rollout/groups_dropped_sandbox"] == seen.count("broken") > 0
+    assert metrics["rollout/groups_dropped_prompt_too_long"] == 0
     for group in kept:  # never trained on a sandbox failure
         assert all(e.reward is not None for e in group)
         assert (
             policy.kinds[next(p for p in policy.kinds if p in trainer.tokenizer.decode(group[0].token_ids))]
             != "broken"
         )
+    assert len(kept) == 3 == metrics["rollout/groups_kept"] and fill.full  # refilled to a full batch either way
     if dynamic:
-        assert len(seen) > 3  # dropped groups were refilled with new prompts
         assert metrics["rollout/groups_dropped_equal"] == seen.count("flat") > 0
-        assert len(kept) == 3 and all(len({e.reward for e in group}) == 2 for group in kept)
+        assert all(len({e.reward for e in group}) == 2 for group in kept)
     else:
-        assert len(seen) == 3 and metrics["rollout/groups_dropped_equal"] == 0
-        assert len(kept) == 3 - seen.count("broken")
+        assert metrics["rollout/groups_dropped_equal"] == 0 and seen.count("flat") > 0
+        assert len(seen) == 3 + seen.count("broken")
+
+
+def test_runs_filtered_at_different_rates_train_the_same_full_batches(tmp_path, tiny_model_dir, prompts, monkeypatch):
+    """The full-batch rule: however many groups a run drops, each of its `steps` updates trains 3 groups."""
+    consumed = {}
+    for name, kinds in (("few-drops", ("varied",) * 5 + ("flat",)), ("many-drops", ("varied", "flat", "flat"))):
+        scripted_rl(monkeypatch, prompts, kinds=kinds)
+        final = rl.run(config(tmp_path, tiny_model_dir, prompts, name, "steps=3", *SCRIPTED))
+        assert final.name == "step-000003"
+        metrics = rows(tmp_path / name)
+        assert [r["step"] for r in metrics] == [1, 2, 3]
+        assert all(r["rollout/groups_kept"] == 3 and r["train/action_tokens"] > 0 for r in metrics)
+        consumed[name] = sum(r["rollout/prompts_consumed"] for r in metrics)
+    assert consumed["many-drops"] > consumed["few-drops"] >= 9
+
+
+def test_a_step_that_cannot_fill_its_batch_ends_the_run_cleanly(
+    tmp_path, tiny_model_dir, prompts, monkeypatch, capsys
+):
+    """Step 2 fills 1 of its 3 groups: the run stops after step 1, saves its final model, and says why."""
+    scripted_rl(monkeypatch, prompts, kinds=("varied",), flat_after=4 * 4)  # step 1's 3 groups and 1 more
+    final = rl.run(config(tmp_path, tiny_model_dir, prompts, "early", "steps=3", "rollout.max_prompts_per_step=5"))
+    assert final.name == "step-000001" and (final / "model.safetensors").exists()
+    assert [r["step"] for r in rows(tmp_path / "early")] == [1]  # the partial step 2 is neither trained nor logged
+    out = capsys.readouterr().out
+    assert "trained 1 of 3 steps; stopped early: the step consumed 5 prompts" in out
+    assert "kept 1 of the 3 groups a batch needs (dropped: 4 equal)" in out
+
+
+def test_a_run_that_trains_no_step_exits_non_zero(tmp_path, tiny_model_dir, prompts, monkeypatch, capsys):
+    from stare_agent import cli
+
+    scripted_rl(monkeypatch, prompts, kinds=("flat",))
+    code = cli.main(["rl", *config_overrides(tmp_path, tiny_model_dir, prompts, "none", "steps=2")])
+    assert code == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("stare-agent rl: rl: trained 0 of 2 steps; stopped early: the step consumed 24 prompts")
+    assert (tmp_path / "none" / "checkpoints" / "step-000000").exists()  # the (untrained) final model is written
+
+
+def test_too_many_sandbox_failures_stop_the_run_with_the_last_checkpoint_intact(
+    tmp_path, tiny_model_dir, prompts, monkeypatch, capsys
+):
+    from stare_agent import cli
+
+    scripted_rl(monkeypatch, prompts, kinds=("varied",))
+    args = config_overrides(tmp_path, tiny_model_dir, prompts, "broken", "steps=2", "save_every=1", *SCRIPTED)
+    assert cli.main(["rl", *args]) == 0
+    # the same run resumed for 2 more steps with a sandbox that fails on every problem
+    scripted_rl(monkeypatch, prompts, kinds=("broken",))
+    resumed = [*args, "steps=4", "resume=auto", "rollout.max_prompts_per_step=3"]
+    assert cli.main(["rl", *resumed]) == 3
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("stare-agent rl: 3 of the 3 groups of this step failed in the sandbox, more than ")
+    assert "rollout.max_sandbox_failure_fraction=0.5" in err
+    checkpoints = sorted(p.name for p in (tmp_path / "broken" / "checkpoints").glob("step-*"))
+    assert checkpoints == ["step-000001", "step-000002"]  # nothing written after the failure
+    assert [r["step"] for r in rows(tmp_path / "broken")] == [1, 2]
 
 
 def test_critical_w_mode_sets_w_from_the_logged_critical_weight(

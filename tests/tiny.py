@@ -16,7 +16,6 @@ TINY_QUICKSTART = [
     "rl.rollout.prompts_per_step=2",
     "rl.rollout.group_size=2",
     "rl.rollout.max_turn_tokens=24",
-    "rl.rollout.max_refill_rounds=0",
     "rl.rollout.dynamic_sampling=false",
     "eval.max_turn_tokens=24",
 ]

@@ -4,8 +4,10 @@ One step:
 1. rollouts: prompts from the data stream, `group_size` episodes each, generated in lock step with
    the tool calls of a turn run concurrently (agent.run_batch);
 2. dynamic sampling: a group whose rewards are all equal carries no signal and is dropped, and so is
-   a group with a sandbox failure (not the model's fault); new prompts refill the batch for up to
-   `max_refill_rounds` extra rounds, and every dropped group is counted in the logs;
+   a group with a sandbox failure (not the model's fault); new prompts refill the batch until it holds
+   `prompts_per_step` groups, and every dropped group is counted in the logs. A step that cannot fill its
+   batch within `max_prompts_per_step` prompts ends the run: a partial batch is never trained
+   (stare_agent/batching.py has the rule, shared with the openrlhf backend);
 3. one no-grad forward over the batch gives the old log-probs and, from the same logits, the exact
    per-token entropy and S2, all of the sampling distribution softmax(logits / temperature), in one
    chunked pass (theory.sampling_stats);
@@ -48,6 +50,7 @@ from stare_agent.backends.local.common import (
     stream_indices,
 )
 from stare_agent.backends.local.generation import HFGenerator
+from stare_agent.batching import BatchFill, NoStepTrained, end_message, group_verdict
 from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
 from stare_agent.loss import group_advantages, policy_loss
@@ -223,14 +226,14 @@ class Trainer:
 
     # --- one step -------------------------------------------------------------------------------------------------
 
-    async def rollouts(self, client: TimedClient) -> tuple[list[list[EpisodeResult]], dict[str, float]]:
-        """Groups for one update, after dynamic sampling, and the rollout metrics."""
+    async def rollouts(self, client: TimedClient) -> tuple[list[list[EpisodeResult]], BatchFill, dict[str, float]]:
+        """The groups of one full batch (fewer only when the step's prompt budget ran out), its accounting, and
+        the rollout metrics. Dropped groups are replaced by new prompts (batching.BatchFill has the rule)."""
         r = self.config.rollout
+        fill = BatchFill(r.prompts_per_step, r.prompt_budget, r.max_sandbox_failure_fraction)
         kept: list[list[EpisodeResult]] = []
         all_results: list[EpisodeResult] = []
-        dropped = {"equal": 0, "sandbox": 0}
-        for _ in range(r.max_refill_rounds + 1):
-            need = r.prompts_per_step - len(kept)
+        while need := fill.room():
             picked = stream_indices(len(self.problems), self.config.run.seed, self.cursor, need)
             self.cursor += need
             episodes = [self.problems[i] for i in picked for _ in range(r.group_size)]
@@ -244,14 +247,15 @@ class Trainer:
             all_results += results
             for g in range(need):
                 group = results[g * r.group_size : (g + 1) * r.group_size]
-                if any(e.reward is None for e in group):
-                    dropped["sandbox"] += 1
-                elif r.dynamic_sampling and len({e.reward for e in group}) == 1:
-                    dropped["equal"] += 1
-                else:
+                verdict = group_verdict(
+                    [e.reward for e in group],
+                    [e.finish_reason == "sandbox_error" for e in group],
+                    [e.prompt_too_long for e in group],
+                    drop_equal=r.dynamic_sampling,
+                )
+                fill.record(verdict)
+                if verdict == "kept":
                     kept.append(group)
-            if len(kept) == r.prompts_per_step or not r.dynamic_sampling:
-                break
         scored = [e for e in all_results if e.reward is not None]
         n = max(len(all_results), 1)
         metrics = {
@@ -262,13 +266,11 @@ class Trainer:
             "rollout/tool_calls": sum(e.tool_calls for e in all_results) / n,
             "rollout/tool_errors": sum(e.tool_errors for e in all_results) / n,
             "rollout/episodes": len(all_results),
-            "rollout/groups_kept": len(kept),
-            "rollout/groups_dropped_equal": dropped["equal"],
-            "rollout/groups_dropped_sandbox": dropped["sandbox"],
+            **fill.metrics(),
         }
         for reason in ("answer", "eos", "length", "tool_limit", "sandbox_error"):
             metrics[f"rollout/finish_{reason}"] = sum(e.finish_reason == reason for e in all_results) / n
-        return kept, metrics
+        return kept, fill, metrics
 
     def prepare(self, groups: list[list[EpisodeResult]]) -> tuple[UpdateBatch, dict[str, float]]:
         """Reference pass (no grad), GRPO advantages and STARE weights over the whole batch; and their metrics."""
@@ -404,25 +406,26 @@ class Trainer:
         timed = TimedClient(client)
         last = self.checkpoint
         bar = progress(cfg.steps, "rl", initial=self.step)
+        self.stop_reason = ""
         try:
             while self.step < cfg.steps:
                 step_started = time.perf_counter()
                 gen_before, tools_before = self.generator.stats.seconds, timed.seconds
                 tokens_before = self.generator.stats.generated_tokens
-                groups, metrics = await self.rollouts(timed)
+                groups, fill, metrics = await self.rollouts(timed)
+                fill.check_sandbox()
+                if not fill.full:  # never train a partial batch: the run ends here
+                    self.stop_reason = fill.why_not_full()
+                    break
                 rollout_time = time.perf_counter() - step_started
                 metrics["time/generation"] = self.generator.stats.seconds - gen_before
                 metrics["time/tools"] = timed.seconds - tools_before
                 metrics["time/rollout"] = rollout_time
                 generated = self.generator.stats.generated_tokens - tokens_before
                 metrics["perf/generation_tokens_per_s"] = generated / max(metrics["time/generation"], 1e-9)
-                if groups:
-                    update_started = time.perf_counter()
-                    metrics.update(self.update(groups))
-                    metrics["perf/train_tokens_per_s"] = metrics["train/tokens"] / (
-                        time.perf_counter() - update_started
-                    )
-                metrics["train/updated"] = float(bool(groups))
+                update_started = time.perf_counter()
+                metrics.update(self.update(groups))
+                metrics["perf/train_tokens_per_s"] = metrics["train/tokens"] / (time.perf_counter() - update_started)
                 metrics["time/step"] = time.perf_counter() - step_started
                 self.step += 1
                 log.write(self.step, metrics)
@@ -436,12 +439,12 @@ class Trainer:
                 )
                 if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                     last = self.save()
+            if last is None or last.name != f"step-{self.step:06d}":
+                last = self.save()  # the final model, also when the run ended early
         finally:
             bar.close()
             log.close()
             await client.close()
-        if last is None:
-            last = self.save()
         return last
 
 
@@ -458,8 +461,15 @@ def _dropout_settings(model: Any) -> str:
 
 
 def run(config: RLConfig) -> Path:
-    """Train; returns the final checkpoint folder (a Hugging Face model folder)."""
+    """Train; returns the final checkpoint folder (a Hugging Face model folder).
+
+    Raises NoStepTrained when the run ended (batching's stop rule) before it trained a step, and SandboxFailures
+    when a step's sandbox failures stop it; a run that trained fewer steps than asked ends normally, and says so.
+    """
     trainer = Trainer(config)
     last = asyncio.run(trainer.train())
-    print(f"rl: done; model and state in {last}; metrics in {trainer.run_dir / 'metrics.jsonl'}")
+    message = end_message(trainer.step, config.steps, trainer.stop_reason)
+    print(f"rl: {message}; model and state in {last}; metrics in {trainer.run_dir / 'metrics.jsonl'}")
+    if trainer.step == 0:
+        raise NoStepTrained(f"rl: {message}")
     return last

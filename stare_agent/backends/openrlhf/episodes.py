@@ -158,7 +158,7 @@ def to_response(
     A sandbox failure, or a prompt that leaves no room for a response, cannot be scored: reward 0.0 and
     scores NaN, which makes dynamic filtering drop the whole group.
     """
-    prompt_too_long = not result.turns  # the episode ended before its first turn: no room under the budget
+    prompt_too_long = result.prompt_too_long
     unscored = result.reward is None or prompt_too_long
     finish = result.finish_reason
     extra_logs = {
@@ -194,6 +194,18 @@ def to_response(
 # --- the executor -------------------------------------------------------------------------------------------------
 
 
+def concurrent_episodes(config: RLConfig) -> int:
+    """Episodes one engine may run at once, for the in-process sandbox's kernel limit (stateful: a kernel each).
+
+    A step has prompts_per_step x group_size episodes in flight at most (a dropped group is replaced only once it
+    has finished), and OpenRLHF's dispatcher balances vLLM requests, not episodes waiting on a tool, so in the
+    worst case one engine holds all of them. The limit is a cap, not a pool: kernels start only on demand.
+    """
+    if config.agent.tool_mode != "stateful":
+        return 0
+    return config.rollout.prompts_per_step * config.rollout.group_size
+
+
 class ReToolExecutor:
     """OpenRLHF's `execute` contract over our episode; `agent_executor.AgentExecutor` adds OpenRLHF's base class.
 
@@ -212,7 +224,7 @@ class ReToolExecutor:
     def _default_client(self) -> Any:
         from stare_agent.backends.local.common import make_client
 
-        return make_client(self.config.sandbox)
+        return make_client(self.config.sandbox, concurrent_episodes(self.config))
 
     async def client(self) -> ToolClient:
         """The executor's sandbox client, started on first use; an unreachable sandbox is an error, not a NaN."""

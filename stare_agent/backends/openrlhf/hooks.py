@@ -39,11 +39,14 @@ from torch import Tensor
 from stare_agent.backends.openrlhf import upstream
 from stare_agent.backends.openrlhf.episodes import config_from_env
 from stare_agent.backends.openrlhf.stare_step import MicroBatch, stare_step
+from stare_agent.batching import BatchFill, group_verdict
+from stare_agent.config import RLConfig, RolloutConfig
 from stare_agent.stare import StareController
 from stare_agent.theory import entropy_and_s2
 
 _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
 _maker_module = upstream.import_openrlhf("openrlhf.trainer.ppo_utils.experience_maker")
+_samples_module = upstream.import_openrlhf("openrlhf.trainer.ppo_utils.samples_generator")
 _trainer_module = upstream.import_openrlhf("openrlhf.trainer.ppo_trainer")
 
 # The Ray-wrapped classes as OpenRLHF defines them, taken before install() replaces the module attributes.
@@ -194,12 +197,147 @@ class StareExperienceMaker(_maker_module.RemoteExperienceMaker):
         return metrics
 
 
+class _PromptStream:
+    """The prompt loader's items as OpenRLHF's generator draws them, for one step: endless passes over the loader
+    (a finished pass starts the next), ending (StopIteration) once the step has drawn `budget` prompts."""
+
+    def __init__(self, owner: StareSamplesGenerator, budget: int):
+        self.owner, self.budget, self.drawn = owner, budget, 0
+
+    def __iter__(self) -> _PromptStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self.drawn >= self.budget:
+            raise StopIteration
+        item = self.owner.next_prompt()
+        self.drawn += 1
+        return item
+
+
+class StareSamplesGenerator(_samples_module.SamplesGenerator):
+    """OpenRLHF's sample generator, handing `fit` only full batches, exactly `steps` of them (stare_agent/batching).
+
+    OpenRLHF 0.11.2 gives fit whatever its prompt budget leaves (a partial last batch, which DeepSpeed never
+    steps on) and stops when one pass over the prompts is done. Here each call fills one batch of
+    rollout.prompts_per_step groups through OpenRLHF's own `_generate_vllm` (dispatch, dynamic filtering and
+    one-at-a-time refills unchanged) from an endless prompt stream capped at the step's prompt budget, counts
+    every dropped group by reason (OpenRLHF drops them without a trace), and stops the run, by returning no
+    samples and `exhausted`, when the budget ran out before the batch was full; the last of `steps` batches is
+    returned with `exhausted`, so fit trains it and ends. A step with too many sandbox failures raises
+    SandboxFailures (it propagates out of fit and stops the run). Built by `replacing` the trainer's generator.
+    """
+
+    def __init__(self, *args: Any, steps: int, rollout: RolloutConfig, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.steps, self.rollout = steps, rollout
+        self.handed = 0
+        """Full batches handed to fit so far in this run (the checkpoint's global_step on resume)."""
+        self.stop_reason = ""
+        self.fill_metrics: dict[str, float] = {}
+        """The last batch's group counts (batching.BatchFill.metrics), added to that step's logs."""
+        self._loader_iter: Any = None
+        self._seen: list[tuple[float | None, bool, bool]] = []  # per sample: score (None = NaN), sandbox, too long
+
+    @classmethod
+    def replacing(cls, generator: Any, config: RLConfig) -> StareSamplesGenerator:
+        return cls(
+            strategy=generator.strategy,
+            prompts_dataloader=generator.prompts_dataloader,
+            eval_dataloader=generator.eval_dataloader,
+            tokenizer=generator.tokenizer,
+            vllm_engines=generator.vllm_engines,
+            steps=config.steps,
+            rollout=config.rollout,
+        )
+
+    def next_prompt(self) -> Any:
+        """The next item of the prompt loader, starting a new pass when one ends (after a resume: where it was)."""
+        for fresh in (False, True):
+            if self._loader_iter is None or fresh:
+                self._loader_iter = iter(self.prompts_dataloader)
+            try:
+                return next(self._loader_iter)
+            except StopIteration:
+                continue
+        raise RuntimeError("the prompt set is empty (a pass over it yielded no prompt)")
+
+    def generate_samples(self, **generate_kwargs: Any) -> tuple[list, float | None, int, bool]:
+        if self.handed >= self.steps:  # a resumed run that had already trained them all
+            return [], None, 0, True
+        r = self.rollout
+        fill = BatchFill(r.prompts_per_step, r.prompt_budget, r.max_sandbox_failure_fraction)
+        self._seen = []
+        if self.args.vllm.enable_sleep:
+            _samples_module.batch_vllm_engine_call(self.vllm_engines, "wake_up")
+        try:
+            experiences, consumed, _ = self._generate_vllm(
+                _PromptStream(self, fill.budget), fill.target, dynamic_filtering=True, **generate_kwargs
+            )
+        finally:
+            if self.args.vllm.enable_sleep:
+                _samples_module.batch_vllm_engine_call(self.vllm_engines, "sleep")
+        n = r.group_size
+        for g in range(0, len(self._seen), n):
+            scores, sandbox, too_long = zip(*self._seen[g : g + n], strict=True)
+            fill.record(group_verdict(scores, sandbox, too_long, drop_equal=r.dynamic_sampling))
+        if fill.kept * n != len(experiences) or fill.consumed != consumed:
+            raise RuntimeError(
+                f"STARE hooks: OpenRLHF kept {len(experiences)} samples of {consumed} prompts, but its groups' "
+                f"verdicts keep {fill.kept * n} of {fill.consumed}: the dynamic filter and stare_agent.batching "
+                "disagree (rewards other than 0 and 1?)"
+            )
+        self.fill_metrics = fill.metrics()
+        fill.check_sandbox()
+        if not fill.full:
+            self.stop_reason = fill.why_not_full()
+            return [], None, consumed, True
+        self.handed += 1
+        return experiences, 100.0 * fill.kept / fill.consumed, consumed, self.handed >= self.steps
+
+    def _process_response_into_experience(self, response: dict, **generate_kwargs: Any) -> Any:
+        # Called for every sample OpenRLHF receives, kept or filtered, a prompt's group together: the verdicts
+        # above are made from these. The drop flags leave the sample's logs: a trained sample never has them.
+        logs = response.get("extra_logs") or {}
+        score = response.get("scores")
+        self._seen.append(
+            (
+                None if score is None or score != score else float(score),
+                bool(logs.get("sandbox_failed")),
+                bool(logs.get("prompt_too_long")),
+            )
+        )
+        experience = super()._process_response_into_experience(response, **generate_kwargs)
+        for key in ("sandbox_failed", "prompt_too_long"):
+            experience.info.pop(key, None)
+        return experience
+
+
 class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
     """OpenRLHF's PPO trainer (the single controller) with STARE (install() wraps it with the original's options)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.use_stare(StareController(config_from_env().stare))
+        config = config_from_env()
+        self.use_stare(StareController(config.stare))
+        self.use_full_batches(config)
+
+    def use_full_batches(self, config: RLConfig) -> None:
+        """Exactly config.steps full batches (StareSamplesGenerator), and the LR schedule sized for them."""
+        self.run_config = config
+        self.steps_trained = 0
+        if hasattr(self, "samples_generator"):
+            self.samples_generator = StareSamplesGenerator.replacing(self.samples_generator, config)
+
+    def get_max_steps(self) -> int:
+        # OpenRLHF sizes the actor's LR schedule from this (train_ppo_ray.py); its own count comes from the prompt
+        # file's length, which is not the number of updates once groups are filtered and refilled.
+        return self.run_config.steps
+
+    def end_report(self) -> dict[str, Any]:
+        """After fit: steps trained in all (resumed ones included), of how many, and why it stopped early."""
+        reason = getattr(getattr(self, "samples_generator", None), "stop_reason", "")
+        return {"trained": self.steps_trained, "steps": self.run_config.steps, "reason": reason}
 
     def use_stare(self, controller: StareController) -> None:
         """Replace OpenRLHF's experience maker by ours, built with the same arguments, driving `controller`."""
@@ -218,6 +356,9 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
     def train_step(self, rollout_samples: list, global_step: int) -> tuple[dict, int]:
         status, next_step = super().train_step(rollout_samples, global_step)
         status.update(self.experience_maker.pop_metrics())
+        if hasattr(self, "samples_generator"):
+            status.update(self.samples_generator.fill_metrics)
+        self.steps_trained = next_step
         return status, next_step
 
     def save_logs_and_checkpoints(self, global_step: int, logs_dict: Any = None, client_states: Any = None) -> None:
@@ -230,7 +371,37 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
         states = super().init_checkpoint_states()
         if CHECKPOINT_KEY in states:
             self.stare_controller.load_state_dict(states[CHECKPOINT_KEY])
+        self.steps_trained = states.get("global_step", 0)
+        if hasattr(self, "samples_generator"):
+            self.samples_generator.handed = self.steps_trained
         return states
+
+
+class _RememberedActorClass:
+    """A Ray actor class whose `.remote(...)` also keeps the handle: the driver asks the trainer for its
+    end_report after OpenRLHF's train() returned (and the handle keeps the actor alive until then)."""
+
+    def __init__(self, actor_class: Any):
+        self.actor_class = actor_class
+        self.handles: list[Any] = []
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self.actor_class.remote(*args, **kwargs)
+        self.handles.append(handle)
+        return handle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.actor_class, name)
+
+
+def end_report() -> dict[str, Any] | None:
+    """The last trainer's end_report (see StarePPOTrainer), or None if no trainer was made; releases it."""
+    trainer = _remote.get("PPOTrainer")
+    if trainer is None or not trainer.handles:
+        return None
+    handle = trainer.handles.pop()
+    trainer.handles.clear()
+    return ray.get(handle.end_report.remote())
 
 
 _remote: dict[str, Any] = {}
@@ -252,7 +423,7 @@ def install() -> dict[str, Any]:
     """
     if not _remote:
         _remote["PolicyModelActor"] = _ray_remote(StarePolicyModelActor, ORIGINAL_ACTOR)
-        _remote["PPOTrainer"] = _ray_remote(StarePPOTrainer, ORIGINAL_TRAINER)
+        _remote["PPOTrainer"] = _RememberedActorClass(_ray_remote(StarePPOTrainer, ORIGINAL_TRAINER))
     originals = {"PolicyModelActor": ORIGINAL_ACTOR, "PPOTrainer": ORIGINAL_TRAINER}
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith("openrlhf"):

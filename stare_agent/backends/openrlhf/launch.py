@@ -5,10 +5,18 @@ OpenRLHF's own flags, spelled as its CLI spells them, and is passed through verb
 OpenRLHF's real parser (`upstream.capture_parser`). A flag of the block that one of our keys already sets is
 refused with the key to use instead, and so is every combination the STARE hooks do not support.
 
-Steps: OpenRLHF has no step count; it trains `len(prompts) * n // train.batch_size` steps per episode. With
-`train.batch_size = rollout.batch_size * n` (one on-policy update per batch) and `data.max_samples = steps *
-prompts_per_step`, its schedule has exactly `steps` steps. Dynamic filtering refills dropped groups from the
-same prompts, so a run whose groups are often all-equal makes fewer than `steps` updates.
+Steps: a run trains exactly `steps` full batches of rollout.prompts_per_step groups (stare_agent/batching.py, the
+rule the local backend follows too), each one optimizer update (`train.batch_size = rollout.batch_size * n`,
+`train.max_epochs 1`). OpenRLHF itself counts steps from the prompt file and trains a partial last batch; the
+hooks' StareSamplesGenerator instead draws prompts in endless passes, refills dropped groups until the batch is
+full, and ends the run after `steps` batches or when a step's prompt budget runs out; the trainer sizes the LR
+schedule for `steps` (hooks.StarePPOTrainer.get_max_steps).
+
+Ranks: OpenRLHF splits a step's samples into micro-batches of rollout.micro_batch_size for the experience pass
+and hands them to the training ranks in chunks of ceil(micro-batches / ranks); each rank then trains its share in
+micro-batches of train.micro_batch_size. When either split is uneven, ranks run different numbers of forward or
+backward passes and block each other's collectives until the distributed timeout, so `even_split_problems`
+refuses such configs before anything starts.
 """
 
 from __future__ import annotations
@@ -63,7 +71,6 @@ def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tupl
         "data.input_key": (config.data.problem_field, "data.problem_field"),
         "data.label_key": (config.data.answer_field, "data.answer_field"),
         "data.max_len": (config.agent.max_total_tokens, "agent.max_total_tokens"),
-        "data.max_samples": (config.steps * r.prompts_per_step, "steps x rollout.prompts_per_step"),
         "rollout.batch_size": (r.prompts_per_step, "rollout.prompts_per_step"),
         "rollout.n_samples_per_prompt": (r.group_size, "rollout.group_size"),
         "rollout.temperature": (r.temperature, "rollout.temperature"),
@@ -71,7 +78,7 @@ def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tupl
         "rollout.max_new_tokens": (r.max_turn_tokens, "rollout.max_turn_tokens"),
         "train.batch_size": (r.prompts_per_step * r.group_size, "rollout.prompts_per_step x rollout.group_size"),
         "train.max_epochs": (1, "one on-policy update per batch (fixed)"),
-        "train.num_episodes": (1, "steps (fixed: data.max_samples sets the length)"),
+        "train.num_episodes": (1, "one pass of OpenRLHF's loop: the hooks end it after `steps` full batches (fixed)"),
         "train.seed": (config.run.seed, "run.seed"),
         "train.agent_func_path": (agent_file, "the stare-agent executor (fixed)"),
         "actor.adam.lr": (o.lr, "optim.lr"),
@@ -121,6 +128,35 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
     _refuse(config.openrlhf, ours, REFUSED)
 
 
+def even_split_problems(config: RLConfig, namespace: Any) -> list[str]:
+    """Why a step's samples would not split evenly over the training ranks (OpenRLHF's parsed flags); [] if they do.
+
+    Experience pass: samples -> micro-batches of rollout.micro_batch_size -> chunks of ceil(count / ranks), one per
+    rank. Update: each rank's samples -> micro-batches of train.micro_batch_size (OpenRLHF drops a remainder).
+    Every rank must get the same number of whole micro-batches in both, or the ranks' collectives never match up.
+    """
+    r = config.rollout
+    samples = r.prompts_per_step * r.group_size
+    flags = vars(namespace)  # OpenRLHF's parser keeps the dotted names as they are
+    ranks = flags["actor.num_nodes"] * flags["actor.num_gpus_per_node"]
+    forward, update = flags["rollout.micro_batch_size"], flags["train.micro_batch_size"]
+    what = f"a step's {samples} samples (rollout.prompts_per_step x rollout.group_size = {r.prompts_per_step} x "
+    what += f"{r.group_size})"
+    where = f"{ranks} training ranks (openrlhf.actor.num_nodes x openrlhf.actor.num_gpus_per_node)"
+    problems = []
+    if samples % forward or (samples // forward) % ranks:
+        problems.append(
+            f"{what} do not split into whole micro-batches of openrlhf.rollout.micro_batch_size={forward} shared "
+            f"evenly by {where} in the experience pass"
+        )
+    if samples % (ranks * update):
+        problems.append(
+            f"{what} do not split into whole micro-batches of loss.micro_batch_size={update} shared evenly by "
+            f"{where} in the update"
+        )
+    return problems
+
+
 def to_argv(flags: dict[str, Any]) -> list[str]:
     """Flags (name without dashes -> value) as command-line words: True = the bare flag, False/None = left out."""
     argv: list[str] = []
@@ -145,6 +181,12 @@ def resolve_rl(config: RLConfig, run_dir: Path | None = None) -> tuple[list[str]
     ours = rl_flags(config, run_dir.absolute(), agent_file)
     check_block(config, ours)
     argv, namespace = _checked_by_openrlhf(upstream.RL_CLI, ours, config.openrlhf)
+    uneven = even_split_problems(config, namespace)
+    if uneven:
+        raise ConfigError(
+            "backend openrlhf: " + "; ".join(uneven) + ": ranks with different numbers of micro-batches wait for "
+            "each other until the distributed timeout; change the batch or the micro-batch sizes"
+        )
     return argv, namespace
 
 

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from stare_agent.backends.openrlhf import episodes, upstream
+from stare_agent.batching import NoStepTrained, SandboxFailures, end_message
 from stare_agent.config import RLConfig, save_config
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,12 @@ def _argv(words: list[str]) -> Iterator[None]:
 
 
 def run(config: RLConfig, argv: list[str], run_dir: Path) -> None:
-    """Train: OpenRLHF's train_ppo_ray with `argv` (from launch.resolve_rl), our config in every actor."""
+    """Train: OpenRLHF's train_ppo_ray with `argv` (from launch.resolve_rl), our config in every actor.
+
+    Ends with one line saying how many of `steps` full batches were trained and why it stopped early, if it did
+    (the trainer actor's end_report). NoStepTrained when none was; SandboxFailures, raised in the trainer actor
+    when a step's sandbox failures stop the run, comes out as itself (a one-line error), not as Ray's wrapper.
+    """
     from stare_agent.backends.openrlhf import hooks  # imports OpenRLHF: only once we train
 
     save_config(config, run_dir)
@@ -89,4 +95,17 @@ def run(config: RLConfig, argv: list[str], run_dir: Path) -> None:
         with _argv([upstream.RL_CLI, *argv]), warnings.catch_warnings():
             # runpy warns that the CLI module is already imported (by the parser check); harmless, as runpy says
             warnings.filterwarnings("ignore", message=".*found in sys.modules after import", category=RuntimeWarning)
-            runpy.run_module(upstream.RL_CLI, run_name="__main__")
+            try:
+                runpy.run_module(upstream.RL_CLI, run_name="__main__")
+            except Exception as exc:
+                cause = getattr(exc, "cause", None)  # a RayTaskError carries the actor's exception
+                if isinstance(cause, SandboxFailures):
+                    raise SandboxFailures(str(cause)) from None
+                raise
+        report = hooks.end_report()
+    if report is None:
+        raise RuntimeError("OpenRLHF's train() returned without making the PPO trainer (is hooks.install() in place?)")
+    message = end_message(report["trained"], report["steps"], report["reason"])
+    print(f"rl: {message}; the final model is in {run_dir / 'final'}", flush=True)
+    if report["trained"] == 0:
+        raise NoStepTrained(f"rl: {message}")

@@ -1,0 +1,71 @@
+"""The full-batch rule shared by both backends (stare_agent/batching.py): verdicts, refill room, stop rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from stare_agent.batching import BatchFill, SandboxFailures, end_message, group_verdict
+
+
+def test_a_group_is_dropped_for_the_sandbox_first_then_the_prompt_then_equal_rewards():
+    ok, no = [False] * 3, [False] * 3
+    assert group_verdict([1.0, 0.0, 1.0], ok, no, drop_equal=True) == "kept"
+    assert group_verdict([1.0, 1.0, 1.0], ok, no, drop_equal=True) == "equal"
+    assert group_verdict([1.0, 1.0, 1.0], ok, no, drop_equal=False) == "kept"  # no dynamic sampling
+    assert group_verdict([None, 1.0, 0.0], [True, False, False], no, drop_equal=True) == "sandbox"
+    assert group_verdict([0.0, 0.0, 0.0], [False, False, True], [True] * 3, drop_equal=True) == "sandbox"
+    assert group_verdict([0.0, 0.0, 0.0], ok, [True, False, False], drop_equal=False) == "prompt_too_long"
+    with pytest.raises(ValueError, match="unscored episode"):
+        group_verdict([None, 1.0, 0.0], ok, no, drop_equal=True)
+
+
+def test_room_asks_for_what_the_batch_needs_within_the_budget():
+    fill = BatchFill(target=4, budget=7, max_sandbox_failure_fraction=0.5)
+    assert fill.room() == 4
+    for verdict in ("kept", "equal", "kept", "sandbox"):
+        fill.record(verdict)
+    assert fill.room() == 2 and not fill.full
+    fill.record("kept")
+    fill.record("prompt_too_long")
+    assert fill.room() == 1  # 1 needed, 1 left of the budget
+    fill.record("equal")
+    assert fill.room() == 0 and not fill.full  # the budget is spent: the batch stays partial
+    assert fill.metrics() == {
+        "rollout/groups_kept": 3.0,
+        "rollout/groups_dropped_equal": 2.0,
+        "rollout/groups_dropped_sandbox": 1.0,
+        "rollout/groups_dropped_prompt_too_long": 1.0,
+        "rollout/prompts_consumed": 7.0,
+    }
+    assert "consumed 7 prompts (rollout.max_prompts_per_step=7) and kept 3 of the 4 groups" in fill.why_not_full()
+    assert "(dropped: 2 equal, 1 sandbox, 1 prompt too long)" in fill.why_not_full()
+
+
+def test_a_full_batch_takes_no_more_groups():
+    fill = BatchFill(target=2, budget=2, max_sandbox_failure_fraction=0.5)
+    fill.record("kept")
+    fill.record("kept")
+    assert fill.full and fill.room() == 0
+    with pytest.raises(ValueError, match="already holds its 2 groups"):
+        fill.record("kept")
+
+
+def test_the_sandbox_stop_fires_above_the_fraction_only():
+    fill = BatchFill(target=2, budget=8, max_sandbox_failure_fraction=0.5)
+    for verdict in ("sandbox", "kept"):
+        fill.record(verdict)
+    fill.check_sandbox()  # 1 of 2 is not above 0.5
+    fill.record("sandbox")
+    with pytest.raises(SandboxFailures, match="2 of the 3 groups of this step failed in the sandbox"):
+        fill.check_sandbox()
+    BatchFill(target=1, budget=1, max_sandbox_failure_fraction=0.0).check_sandbox()  # nothing consumed yet
+
+
+def test_budget_below_the_batch_is_refused():
+    with pytest.raises(ValueError, match="budget >= target"):
+        BatchFill(target=4, budget=3, max_sandbox_failure_fraction=0.5)
+
+
+def test_end_message_says_how_many_steps_and_why():
+    assert end_message(5, 5, "") == "trained 5 of 5 steps"
+    assert end_message(2, 5, "no prompts") == "trained 2 of 5 steps; stopped early: no prompts"
