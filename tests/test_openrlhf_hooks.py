@@ -611,3 +611,131 @@ def test_install_puts_our_classes_where_train_ppo_ray_finds_them(hooks, monkeypa
     with pytest.raises(Stop):
         runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
     assert seen["globals"]["PolicyModelActor"] is actor_cls
+
+
+# --- full batches: the sample generator inside OpenRLHF's own fit loop ---------------------------------------------
+
+
+def scripted_response(kind: str, sample: int, prompt: str, label: str) -> dict:
+    """What our executor returns (episodes.to_response) for an episode whose outcome the prompt's kind decides:
+    varied = right on odd samples; flat = always wrong; broken = the sandbox failed; long = no room for a turn."""
+    from stare_agent.agent import EpisodeResult, Turn
+    from stare_agent.backends.openrlhf.episodes import to_response
+
+    turns = [] if kind == "long" else [Turn(text="x", sampled_tokens=2)]
+    reward = None if kind in ("broken", "long") else float(kind == "varied" and sample % 2 == 1)
+    finish = "sandbox_error" if kind == "broken" else "length" if kind == "long" else "answer"
+    result = EpisodeResult("p", [5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -1.0, -1.0], 2, turns, None, reward, finish)
+    return to_response(result, prompt=prompt, label=label, with_logprobs=False)
+
+
+class ScriptedEngine:
+    """Stands in for OpenRLHF's vLLM engine actor (a real one runs end to end in test_openrlhf_e2e.py): its two
+    remote methods the generator calls answer at once, through Ray's object store (`ray.put`), so OpenRLHF's
+    `ray.wait` / `ray.get` on them run as with the real actor; `generate_responses` returns our executor's dicts."""
+
+    def __init__(self, ray):
+        def remote(method):
+            return NS(remote=lambda *args, **kwargs: ray.put(method(*args, **kwargs)))
+
+        self.get_num_unfinished_requests = remote(lambda: 0)
+        self.generate_responses = remote(self._responses)
+
+    @staticmethod
+    def _responses(prompt, label, sampling_params, max_length, hf_tokenizer, num_samples, images):
+        kind = prompt.split(":")[0]
+        return [scripted_response(kind, i, prompt, label) for i in range(num_samples)]
+
+
+def fit_run(hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, budget=0, resume_at=0, fraction=0.5):
+    """OpenRLHF's real PPOTrainer.fit over our trainer, with a StareSamplesGenerator over a real prompt loader and a
+    scripted engine; the update itself (BasePPOTrainer.train_step: DeepSpeed ranks on a GPU) records its batch."""
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+    from torchdata.stateful_dataloader import StatefulDataLoader  # the loader class OpenRLHF's strategy makes
+
+    from stare_agent.config import RLConfig, RolloutConfig
+
+    prompts = [f"{kind}: problem {i}" for i, kind in enumerate(kinds)]
+    loader = StatefulDataLoader(
+        prompts, batch_size=1, shuffle=True, collate_fn=lambda b: (None, b, ["1"] * len(b), [None])
+    )
+    rollout = RolloutConfig(
+        prompts_per_step=prompts_per_step, group_size=4, max_prompts_per_step=budget,
+        max_sandbox_failure_fraction=fraction,
+    )  # fmt: skip
+    config = RLConfig(rollout=rollout, steps=steps)
+    args = openrlhf_args(n_samples=4)
+    args.rollout.batch_size = prompts_per_step
+    args.algo.dynamic_filtering_enable, args.algo.dynamic_filtering_range = True, [0.0, 1.0]
+    args.train.num_episodes = 1
+    args.eval = NS(steps=float("inf"))
+    args.ckpt.save_steps = float("inf")
+    strategy = NS(args=args)
+    trained: list[list] = []
+
+    def train_step(self, rollout_samples, global_step):
+        trained.append(rollout_samples)
+        return {"policy_loss": 0.0}, global_step + 1
+
+    monkeypatch.setattr(BasePPOTrainer, "train_step", train_step)
+    monkeypatch.setattr(BasePPOTrainer, "broadcast_to_vllm", lambda self: None)  # the engine's weights: e2e test
+    trainer = object.__new__(hooks.StarePPOTrainer)
+    BasePPOTrainer.__init__(trainer, strategy, None, None, None, None, None, None)
+    trainer.prompts_dataloader, trainer.eval_dataloader, trainer.generate_kwargs = loader, None, {}
+    trainer.use_stare(StareController(StareConfig()))
+    trainer.use_full_batches(config)  # before the generator exists: PPOTrainer.__init__ (skipped) would make it
+    trainer.samples_generator = generator = hooks.StareSamplesGenerator(
+        strategy=strategy, prompts_dataloader=loader, eval_dataloader=None, tokenizer=None,
+        vllm_engines=[ScriptedEngine(ray)], steps=steps, rollout=rollout,
+    )  # fmt: skip
+    logged: list[dict] = []
+    monkeypatch.setattr(
+        hooks.ORIGINAL_TRAINER.__ray_actor_class__,
+        "save_logs_and_checkpoints",
+        lambda self, step, logs=None, states=None: logged.append(dict(logs)),
+    )
+    states = {"episode": 0, "global_step": resume_at, "total_consumed_prompts": 0, "data_loader_state_dict": {}}
+    monkeypatch.setattr(BasePPOTrainer, "init_checkpoint_states", lambda self: dict(states))
+    hooks.ORIGINAL_TRAINER.__ray_actor_class__.fit(trainer)  # OpenRLHF's loop, as the trainer actor runs it
+    return NS(trained=trained, logged=logged, report=trainer.end_report(), generator=generator)
+
+
+def test_fit_trains_exactly_steps_full_batches_whatever_the_filter_rate(hooks, local_ray, monkeypatch):
+    """Two runs of one config, filtered at different rates, make the same 3 updates of 2 full groups each, over
+    several passes of a 6-prompt file; OpenRLHF's own loop would end after one pass with a partial batch."""
+    consumed = {}
+    for name, kinds in {"few": ["varied"] * 5 + ["flat"], "many": ["varied", "flat", "flat"] * 2}.items():
+        run = fit_run(hooks, local_ray, monkeypatch, kinds)
+        assert [len(batch) for batch in run.trained] == [8, 8, 8]  # 2 groups x 4 samples, 3 times
+        for batch in run.trained:
+            assert all(sample.prompts[0].startswith("varied") for sample in batch)
+            assert all("sandbox_failed" not in sample.info for sample in batch)
+        assert [row["rollout/groups_kept"] for row in run.logged] == [2.0, 2.0, 2.0]
+        assert run.report == {"trained": 3, "steps": 3, "reason": ""}
+        consumed[name] = sum(row["rollout/prompts_consumed"] for row in run.logged)
+        assert consumed[name] == 6 + sum(row["rollout/groups_dropped_equal"] for row in run.logged)
+    assert consumed["many"] > consumed["few"] and consumed["many"] >= 12  # two passes at least
+    assert hooks.StarePPOTrainer.get_max_steps(NS(run_config=NS(steps=3))) == 3  # the LR schedule's length
+
+
+def test_a_step_that_cannot_fill_its_batch_ends_fit_without_training_it(hooks, local_ray, monkeypatch):
+    run = fit_run(hooks, local_ray, monkeypatch, ["flat", "long", "flat", "varied"], prompts_per_step=2, budget=3)
+    # each step draws at most 3 prompts; with 1 varied prompt in 4, some step keeps fewer than 2 groups
+    assert all(len(batch) == 8 for batch in run.trained) and len(run.trained) < 3
+    assert run.report["trained"] == len(run.trained)
+    assert "consumed 3 prompts (rollout.max_prompts_per_step=3)" in run.report["reason"]
+    last = run.generator.fill_metrics
+    assert last["rollout/prompts_consumed"] == 3 and last["rollout/groups_kept"] < 2
+    assert last["rollout/groups_dropped_prompt_too_long"] + last["rollout/groups_dropped_equal"] >= 2
+
+
+def test_a_resumed_run_trains_only_the_steps_left(hooks, local_ray, monkeypatch):
+    run = fit_run(hooks, local_ray, monkeypatch, ["varied"] * 4, steps=3, resume_at=2)
+    assert len(run.trained) == 1 and run.report["trained"] == 3
+
+
+def test_too_many_sandbox_failures_stop_fit_with_an_error(hooks, local_ray, monkeypatch):
+    from stare_agent.batching import SandboxFailures
+
+    with pytest.raises(SandboxFailures, match=r"failed in the sandbox, more than .*fraction=0.25"):
+        fit_run(hooks, local_ray, monkeypatch, ["broken", "varied", "varied", "varied"], fraction=0.25, steps=4)
