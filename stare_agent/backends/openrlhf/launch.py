@@ -101,6 +101,7 @@ def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tupl
         "ckpt.path": (str(run_dir / "checkpoints"), "run.output_dir / run.name"),
         "ckpt.output_dir": (str(run_dir / "final"), "run.output_dir / run.name"),
         "ckpt.load_enable": (bool(config.resume), "resume"),
+        "ckpt.save_hf": (True, "a Hugging Face model at every checkpoint, for `stare-agent eval` (fixed)"),
         "logger.tensorboard_dir": (str(run_dir / "tb"), "run.output_dir / run.name"),
     }
     if config.save_every:

@@ -1,0 +1,204 @@
+"""The cluster run, rehearsed on CPU: two DeepSpeed ranks under ZeRO-3 on two Ray nodes, colocated with two vLLM
+engines as the paper configs place them, the sandbox reached as a service by URL.
+
+One `stare-agent rl` process joins a Ray cluster of a head and a worker node (`ray.cluster_utils.Cluster`: separate
+raylets and object stores on this machine, as `ray start` makes them), each declaring one GPU, so OpenRLHF's
+colocated placement group (one {"GPU": 1, "CPU": 1} bundle per rank, PACK) puts rank 0 with engine 0 on one node
+and rank 1 with engine 1 on the other; our config reaches the executors on both nodes through Ray's runtime_env.
+Checkpoints and the final model go under one path (this machine's disk stands for the shared file system).
+
+The prompt set makes a partial last batch under OpenRLHF's own accounting (half the gold answers are out of the
+model's reach, so half the groups are dropped; a prompt budget of steps x prompts_per_step, which the launcher
+used to pass, runs out before the second batch is full): the run must train exactly `steps` full batches, finish
+within a bounded time (the test fails rather than hangs), write the final Hugging Face model, and every rank
+must gather the same weights at the end.
+
+What stands in for GPUs is the shim of test_openrlhf_e2e.py (tests/openrlhf_cpu_shim); weights go to the engines by
+the shim's store broadcast (`vllm.sync_backend: gloo`: the paper configs' colocated CUDA-IPC sync needs GPUs), and
+vLLM's and DeepSpeed's sleep modes stay off (they move memory between a GPU and the host).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+import yaml
+from test_openrlhf_e2e import SHIM, coin_model, needs_the_stack, run_cli, safetensors, scalars, write_run_config
+
+__all__ = ["coin_model"]  # a fixture, used by name
+
+STEPS, PROMPTS, GROUP, RANKS = 2, 2, 4, 2
+CLUSTER_RUN_TIMEOUT_S = 900
+
+# Not yet in CI: in 1 of the 2 runs made so far, the two ranks' step-1 gradients came out corrupted (the same batch
+# and loss as the clean run, grad norm sqrt(2) instead of 4.35, NaN in every layer after the update; the run then
+# ended by the stop rule with 1 of 2 steps). A plain ZeRO-3 2-rank repro over gloo with OpenRLHF's DeepSpeed config
+# did not show it. Until that is found, the test runs only on request: STARE_CLUSTER_TESTS=1.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.cluster,
+    needs_the_stack,
+    pytest.mark.skipif(
+        os.environ.get("STARE_CLUSTER_TESTS") != "1",
+        reason="corrupted gradients seen with 2 ZeRO-3 ranks on CPU (see the comment); STARE_CLUSTER_TESTS=1 runs it",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def sandbox_service():
+    """`python -m sandbox serve` on loopback, as a CPU node would run it."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandbox", "serve", "--port", str(port), "--pool-size", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the sandbox service did not start"
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A head and a worker node, one (declared) GPU each; their workers start with the CPU shim in place."""
+    from ray.cluster_utils import Cluster
+
+    report = tmp_path_factory.mktemp("cluster_report")
+    shim_env = {
+        "PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "STARE_OPENRLHF_CPU_SHIM": "1",
+        "STARE_SHIM_REPORT_DIR": str(report),
+        "DS_ACCELERATOR": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    saved = {key: os.environ.get(key) for key in shim_env}
+    os.environ.update(shim_env)  # the raylets, and so every worker on both nodes, inherit this environment
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 1})
+    try:
+        cluster.add_node(num_cpus=4, num_gpus=1)
+        cluster.wait_for_nodes()
+        yield NS(address=cluster.address, report=report)
+    finally:
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def cluster_config(folder: Path, model: Path, sandbox_url: str) -> Path:
+    path = write_run_config(folder, model, STEPS)
+    config = yaml.safe_load(path.read_text())
+    config["rollout"].update(prompts_per_step=PROMPTS, group_size=GROUP)
+    config["loss"]["micro_batch_size"] = 2  # 8 samples a step: 2 micro-batches per rank, in both passes
+    config["sandbox"] = {"url": sandbox_url}
+    config["openrlhf"] = {
+        "actor.num_nodes": 1,
+        "actor.num_gpus_per_node": RANKS,
+        "vllm.num_engines": RANKS,
+        "vllm.tensor_parallel_size": 1,
+        "train.colocate_all": True,
+        "ds.zero_stage": 3,
+        "vllm.enable_prefix_caching": True,
+        "vllm.sync_backend": "gloo",
+        "vllm.enforce_eager": True,
+        "ds.attn_implementation": "sdpa",
+        "rollout.micro_batch_size": 2,
+    }
+    path = folder / "rl-cluster.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster_run(coin_model, two_nodes, sandbox_service, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("openrlhf_cluster")
+    config = cluster_config(folder, coin_model, sandbox_service)
+    result = run_cli(
+        config, two_nodes.report, folder / "run.log", env={"RAY_ADDRESS": two_nodes.address},
+        timeout_s=CLUSTER_RUN_TIMEOUT_S,
+    )  # fmt: skip
+    print(f"\nstare-agent rl (openrlhf, {RANKS} ranks, ZeRO-3, 2 nodes) timings: {result.phases}")
+    assert result.returncode is not None, f"the run did not end in {CLUSTER_RUN_TIMEOUT_S} s: " + result.output[-6000:]
+    assert result.returncode == 0, result.output[-6000:]
+    result.run_dir, result.report, result.address = folder / "runs" / "rl", two_nodes.report, two_nodes.address
+    return result
+
+
+def test_the_run_used_both_nodes(cluster_run):
+    """Where each rank and engine ran (the shim's reports: the Ray node id of each process)."""
+    ranks = [torch.load(path)["node"] for path in sorted(cluster_run.report.glob("rank*-final.pt"))]
+    engines = [path.read_text() for path in sorted(cluster_run.report.glob("engine-node-*.txt"))]
+    assert len(ranks) == RANKS and len(set(ranks)) == 2  # one rank on each node
+    assert len(engines) == RANKS and set(engines) == set(ranks)  # and one engine
+
+
+def test_it_trained_exactly_steps_full_batches_and_wrote_the_final_model(cluster_run, coin_model):
+    logged = {tag: dict(values) for tag, values in scalars(cluster_run.run_dir).items()}
+    assert sorted(logged["train/policy_loss"]) == [1, 2]
+    assert logged["train/rollout/groups_kept"] == {1: PROMPTS, 2: PROMPTS}
+    # More prompts than the old budget of steps x prompts_per_step were needed: that budget would have left the
+    # second batch partial (OpenRLHF trains it, and DeepSpeed never steps on it).
+    assert sum(logged["train/rollout/prompts_consumed"].values()) > STEPS * PROMPTS
+    assert f"rl: trained {STEPS} of {STEPS} steps" in cluster_run.output
+    final = safetensors(cluster_run.run_dir / "final")
+    initial = safetensors(coin_model)
+    assert any(not torch.equal(final[name].float(), initial[name].float()) for name in final)
+
+
+def test_every_rank_gathered_the_same_weights(cluster_run):
+    states = [torch.load(path)["state"] for path in sorted(cluster_run.report.glob("rank*-final.pt"))]
+    assert len(states) == RANKS
+    for name, tensor in states[0].items():
+        assert torch.equal(tensor, states[1][name]), name
+    final = safetensors(cluster_run.run_dir / "final")
+    for name, tensor in final.items():
+        assert torch.equal(tensor.float(), states[0][name]), name
+
+
+def test_both_engines_received_each_step_s_weights(cluster_run):
+    engines = sorted(cluster_run.report.glob("engine-*"))
+    assert len(engines) == RANKS
+    final = safetensors(cluster_run.run_dir / "final")["model.embed_tokens.weight"]
+    for engine in engines:
+        assert sorted(p.name for p in engine.glob("sync*.pt")) == ["sync1.pt", "sync2.pt"]
+        first, last = (torch.load(engine / name) for name in ("sync1.pt", "sync2.pt"))
+        assert not torch.equal(first["after"], first["before"])  # the sync changed the engine's weights
+        assert torch.equal(last["after"][: final.shape[0]].to(final.dtype), final)  # to the trained ones
+
+
+def test_checkpoints_are_loadable_hugging_face_models_under_one_path(cluster_run):
+    from transformers import AutoModelForCausalLM
+
+    checkpoints = cluster_run.run_dir / "checkpoints"
+    shards = sorted(p.name for p in (checkpoints / "_actor" / "global_step2").glob("*model_states.pt"))
+    assert len(shards) == RANKS  # ZeRO-3: one model-states shard per rank, both under the one path
+    model = AutoModelForCausalLM.from_pretrained(checkpoints / "global_step2_hf")
+    final = safetensors(cluster_run.run_dir / "final")
+    assert torch.equal(model.model.embed_tokens.weight.float(), final["model.embed_tokens.weight"].float())
