@@ -31,7 +31,16 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 import yaml
-from test_openrlhf_e2e import SHIM, coin_model, needs_the_stack, run_cli, safetensors, scalars, write_run_config
+from test_openrlhf_e2e import (
+    SHIM,
+    coin_model,
+    engine_reports,
+    needs_the_stack,
+    run_cli,
+    safetensors,
+    scalars,
+    write_run_config,
+)
 
 __all__ = ["coin_model"]  # a fixture, used by name
 
@@ -183,7 +192,7 @@ def test_every_rank_gathered_the_same_weights(cluster_run):
 
 
 def test_both_engines_received_each_step_s_weights(cluster_run):
-    engines = sorted(cluster_run.report.glob("engine-*"))
+    engines = engine_reports(cluster_run.report)
     assert len(engines) == RANKS
     final = safetensors(cluster_run.run_dir / "final")["model.embed_tokens.weight"]
     for engine in engines:

@@ -266,6 +266,11 @@ def model_states(run_dir: Path, step: int) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def engine_reports(report: Path) -> list[Path]:
+    """The shim's per-engine sync folders (engine-<pid>/); its engine-node-<pid>.txt files say where each ran."""
+    return sorted(p for p in report.glob("engine-*") if p.is_dir())
+
+
 def safetensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -339,7 +344,7 @@ def test_the_actor_was_trained_and_the_engine_received_its_weights(trained, coin
     initial, final = safetensors(coin_model), safetensors(trained.run_dir / "final")
     changed = [name for name in final if not torch.equal(final[name].float(), initial[name].float())]
     assert len(changed) > len(final) // 2
-    (engine,) = trained.report.glob("engine-*")  # the one engine's reports
+    (engine,) = engine_reports(trained.report)  # the one engine's reports
     syncs = sorted(engine.glob("sync*.pt"))
     assert [p.name for p in syncs] == ["sync1.pt", "sync2.pt"]  # once per optimizer step
     first, last = (torch.load(p) for p in syncs)
@@ -366,7 +371,7 @@ def test_resume_auto_restores_the_stare_controller_and_the_engine_weights(traine
     assert w[3] == pytest.approx(1.1 + 3 * ADAPTIVE["alpha"])
     assert model_states(trained.run_dir, 3)["stare_controller"]["step"] == 3
     # OpenRLHF syncs the restored actor to the fresh engine before the first rollout (ppo_trainer.py:514-515).
-    (engine,) = (trained.folder / "report-resumed").glob("engine-*")
+    (engine,) = engine_reports(trained.folder / "report-resumed")
     first = torch.load(engine / "sync1.pt")
     name = "model.embed_tokens.weight"
     assert torch.equal(first["after"][: after_two[name].shape[0]].to(after_two[name].dtype), after_two[name])
