@@ -7,10 +7,13 @@
 #    three evaluations) with every stage on $GPU_CHECK_DEVICE. PASS needs exit code 0, a wall time under
 #    $GPU_CHECK_LIMIT_S (480 s = 8 min), SFT loss falling, every RL step logged, updates with a finite loss
 #    (and stare/* in the STARE run), and every eval's results.json (scripts/gpu_check.py reads them).
-# 2. Only where `import openrlhf, vllm, deepspeed, ray` works: a two-step OpenRLHF RL run (backend openrlhf) of
-#    the quickstart's SFT model on its prompts, one GPU, after a --dry-run of the same command (with
-#    GPU_CHECK_DEVICE=cpu the dry run only). Its exit code is reported as it is; the overall result fails if it
-#    fails.
+# 2. Only where `import openrlhf, vllm, deepspeed, ray` works: an OpenRLHF RL run (backend openrlhf) of the
+#    quickstart's SFT model on its prompts at the paper configs' placement reduced to one GPU (ZeRO-3, actor and
+#    engine colocated with CUDA-IPC weight sync and both sleep modes, prefix caching; 3 steps), after a --dry-run
+#    of the same command (with GPU_CHECK_DEVICE=cpu the dry run only). scripts/gpu_check.py --openrlhf judges it:
+#    FAIL on a non-zero exit, fewer steps trained than asked (none included), no final Hugging Face model, or an
+#    engine whose log-probs of the sampled tokens drift from the trainer's after step 1 (its weights did not change
+#    at the sync). The overall result fails if this stage fails.
 #
 # Needs only Python 3.10+ with PyTorch (CUDA build) and transformers: the repository is installed with
 # `pip install -e .` if `stare_agent` does not import. No network besides PyPI for that install, no weights
@@ -22,7 +25,7 @@
 #   GPU_CHECK_LIMIT_S the wall-time limit of step 1 in seconds (default 480)
 #   PYTHON            the interpreter (default: python3)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 python=${PYTHON:-python3}
 device=${GPU_CHECK_DEVICE:-cuda}
@@ -80,27 +83,38 @@ local_ok=${PIPESTATUS[0]}
 
 orl_ok=0
 if "$python" -c "import openrlhf, vllm, deepspeed, ray" > "$out/openrlhf-import.log" 2>&1; then
-    echo "gpu_check 2/2: two OpenRLHF RL steps (backend openrlhf, 1 GPU); log: $out/openrlhf.log"
+    echo "gpu_check 2/2: OpenRLHF RL at the paper configs' placement, reduced to 1 GPU; log: $out/openrlhf.log"
     rl_config="$out/quickstart/rl-stare-O1/config.yaml"  # the quickstart's resolved RL config (model, data, agent)
-    orl=(--config "$rl_config" backend=openrlhf steps=2 run.output_dir="$out" run.name=openrlhf-rl model.device=auto
+    # steps, ZeRO-3, colocated actor and engine (CUDA-IPC sync), both sleep modes, prefix caching, a learning
+    # rate at which a failed sync shows: one list, in scripts/gpu_check.py (OPENRLHF_SHAPE)
+    mapfile -t shape < <("$python" scripts/gpu_check.py --openrlhf-overrides)
+    steps=${shape[0]#steps=}
+    orl=(--config "$rl_config" backend=openrlhf run.output_dir="$out" run.name=openrlhf-rl model.device=auto
          model.dtype=bfloat16 rollout.prompts_per_step=4 rollout.group_size=4 rollout.dynamic_sampling=true
          openrlhf.actor.num_nodes=1 openrlhf.actor.num_gpus_per_node=1 openrlhf.vllm.num_engines=1
-         openrlhf.vllm.tensor_parallel_size=1 openrlhf.train.colocate_all=true openrlhf.vllm.enable_sleep=true
-         openrlhf.ds.enable_sleep=true openrlhf.vllm.gpu_memory_utilization=0.3 openrlhf.ds.zero_stage=2
-         openrlhf.ds.attn_implementation=sdpa loss.micro_batch_size=4 openrlhf.rollout.micro_batch_size=4)
+         openrlhf.vllm.tensor_parallel_size=1 openrlhf.vllm.gpu_memory_utilization=0.3 loss.micro_batch_size=4
+         openrlhf.rollout.micro_batch_size=4 "${shape[@]}")
     # OpenRLHF's trainers need CUDA (on a CPU its Ray actors wait for a GPU forever): there, the dry run only
-    what="two-step run"
-    [ "$device" = cpu ] && what="command (--dry-run only: OpenRLHF trains on CUDA)"
     started=$(date +%s)
-    {
-        "$python" -m stare_agent.cli rl "${orl[@]}" --dry-run &&
-            if [ "$device" != cpu ]; then timeout --signal=TERM 900 "$python" -m stare_agent.cli rl "${orl[@]}"; fi
-    } > "$out/openrlhf.log" 2>&1
+    "$python" -m stare_agent.cli rl "${orl[@]}" --dry-run > "$out/openrlhf.log" 2>&1
     orl_rc=$?
-    wall=$(( $(date +%s) - started ))
-    tail -n 3 "$out/openrlhf.log" | cut -c1-300 | sed 's/^/  /'
-    if [ "$orl_rc" -eq 0 ]; then echo "OpenRLHF $what: PASS (exit 0, ${wall} s)"
-    else echo "OpenRLHF $what: FAIL (exit $orl_rc, ${wall} s; see $out/openrlhf.log)"; orl_ok=1; fi
+    if [ "$orl_rc" -ne 0 ]; then
+        tail -n 3 "$out/openrlhf.log" | cut -c1-300 | sed 's/^/  /'
+        echo "OpenRLHF command: FAIL (--dry-run exit $orl_rc; see $out/openrlhf.log)"; orl_ok=1
+    elif [ "$device" = cpu ]; then
+        echo "OpenRLHF command (--dry-run only: OpenRLHF trains on CUDA): PASS"
+    else
+        timeout --signal=TERM 1200 "$python" -m stare_agent.cli rl "${orl[@]}" >> "$out/openrlhf.log" 2>&1
+        orl_rc=$?
+        wall=$(( $(date +%s) - started ))
+        tail -n 3 "$out/openrlhf.log" | cut -c1-300 | sed 's/^/  /'
+        echo "  wall ${wall} s"
+        # FAIL: a non-zero exit, fewer than $steps steps trained, no final Hugging Face model, or engine log-probs
+        # that drift from the trainer's after step 1 (the weight sync did not reach the engine)
+        "$python" scripts/gpu_check.py "$out/openrlhf-rl" --exit-code "$orl_rc" --openrlhf "$steps" \
+            | tee "$out/openrlhf-verdict.txt"
+        orl_ok=${PIPESTATUS[0]}
+    fi
 else
     echo "gpu_check 2/2: skipped: OpenRLHF's stack does not import here (scripts/install_gpu.sh installs it):"
     tail -n 1 "$out/openrlhf-import.log" | sed 's/^/  /'

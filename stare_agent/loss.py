@@ -60,3 +60,18 @@ def policy_loss(
         clipped = (pg_loss2 > pg_loss1).to(mask.dtype)
         metrics = {"policy/clip_frac": (clipped * mask).sum() / mask.sum().clamp_min(1)}
     return total, metrics
+
+
+def logprob_mismatch(rollout_logprobs: Tensor, trainer_logprobs: Tensor, action_mask: Tensor) -> dict[str, float]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's, over action tokens.
+
+    Both (B, T) log-probs of the same tokens, aligned with action_mask (1 = sampled by the policy); positions
+    outside the mask are ignored, whatever they hold. Returns `rollout_logprob_abs_diff` (mean |rollout - trainer|,
+    nats) and `rollout_logprob_abs_diff_max`; 0.0 for both when no token is an action. Near 0 when the update is
+    on-policy (same weights, same sampling distribution); a weight sync that did not reach the engine shows as a
+    jump after the first step.
+    """
+    action = action_mask.bool()
+    diff = (rollout_logprobs.float() - trainer_logprobs.float()).abs()[action]
+    mean, worst = (float(diff.mean()), float(diff.max())) if diff.numel() else (0.0, 0.0)
+    return {"rollout_logprob_abs_diff": mean, "rollout_logprob_abs_diff_max": worst}

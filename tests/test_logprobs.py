@@ -114,3 +114,18 @@ def test_token_logprobs_checks_its_arguments():
         token_logprobs(logits, targets, temperature=-1.0)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         token_logprobs(logits, targets, chunk_size=0)
+
+
+def test_logprob_mismatch_is_over_action_tokens_only():
+    from stare_agent.loss import logprob_mismatch
+
+    rollout = torch.tensor([[-1.0, -0.5, 50.0], [-2.0, 9.0, -0.1]])
+    trainer = torch.tensor([[-1.5, -0.5, 0.0], [-1.0, -9.0, -0.1]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])  # the unmasked 50 and 9 vs -9 must not count
+    got = logprob_mismatch(rollout, trainer, mask)
+    assert got["rollout_logprob_abs_diff"] == pytest.approx((0.5 + 0.0 + 1.0 + 0.0) / 4)
+    assert got["rollout_logprob_abs_diff_max"] == pytest.approx(1.0)
+    assert logprob_mismatch(rollout, trainer, torch.zeros_like(mask)) == {
+        "rollout_logprob_abs_diff": 0.0,
+        "rollout_logprob_abs_diff_max": 0.0,
+    }

@@ -218,7 +218,7 @@ def test_tool_calls_stop_at_the_stop_string_and_observations_stay_outside_the_ac
     assert [call.ids for call in engine.calls] == [p, p + s[0] + o1, p + s[0] + o1 + s[1] + o2]
 
     assert response["reward"] == 1.0 and response["scores"] == 1.0 and response["truncated"] is False
-    assert response["rollout_log_probs"] is None  # OpenRLHF did not ask for them
+    assert len(response["rollout_log_probs"]) == len(response["observation_tokens"])  # asked for, always
     assert response["prompt"] == PROBLEM and response["label"] == "3" and response["images"] is None
     logs = response["extra_logs"]
     assert logs["response_tokens"] == sum(map(len, s)) and logs["tool_output_tokens"] == len(o1) + len(o2)
@@ -260,22 +260,19 @@ def test_ids_the_tokenizer_would_not_produce_stay_as_sampled(tiny_tokenizer):
     assert engine.calls[1].ids == p + turn + obs_ids(tiny_tokenizer, "2") and response["reward"] == 1.0
 
 
-def test_rollout_log_probs_only_when_openrlhf_asks(tiny_tokenizer):
-    engine = ScriptedEngine(tiny_tokenizer, {PROBLEM: [[CALL_1, ANSWER]]})
-    (response,) = run_executor(engine, tiny_tokenizer, params=shared_params(logprobs=1))
-    assert [call.params.logprobs for call in engine.calls] == [1, 1]
-    logprobs, mask = response["rollout_log_probs"], [0] * len(response["observation_tokens"])
-    for start, end in response["action_ranges"]:
-        mask[start:end] = [1] * (end - start)
-    sampled = [call.logprobs[i][t].logprob for call in engine.calls for i, t in enumerate(call.token_ids)]
-    assert [lp for lp, m in zip(logprobs, mask, strict=True) if m] == sampled
-    assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m)
-
-    # Without is-correction OpenRLHF's engines return raw log-probs (not the sampling distribution's): none asked
-    engine = ScriptedEngine(tiny_tokenizer, {PROBLEM: [[CALL_1, ANSWER]]})
-    (response,) = run_executor(engine, tiny_tokenizer, params=shared_params(logprobs=None))
-    assert [call.params.logprobs for call in engine.calls] == [None, None]
-    assert response["rollout_log_probs"] is None
+def test_rollout_log_probs_are_the_sampled_tokens_whether_or_not_openrlhf_asks(tiny_tokenizer):
+    # OpenRLHF asks (logprobs=1) only with its importance-sampling correction on; we always ask for the sampled
+    # token's (logprobs=0) and keep what it asked for otherwise: the trainer compares them with its own each step
+    for asked, sent in ((1, 1), (None, 0)):
+        engine = ScriptedEngine(tiny_tokenizer, {PROBLEM: [[CALL_1, ANSWER]]})
+        (response,) = run_executor(engine, tiny_tokenizer, params=shared_params(logprobs=asked))
+        assert [call.params.logprobs for call in engine.calls] == [sent, sent]
+        logprobs, mask = response["rollout_log_probs"], [0] * len(response["observation_tokens"])
+        for start, end in response["action_ranges"]:
+            mask[start:end] = [1] * (end - start)
+        sampled = [call.logprobs[i][t].logprob for call in engine.calls for i, t in enumerate(call.token_ids)]
+        assert [lp for lp, m in zip(logprobs, mask, strict=True) if m] == sampled
+        assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m)
 
 
 def test_the_turn_cap_ends_a_turn_and_marks_the_episode_truncated(tiny_tokenizer):

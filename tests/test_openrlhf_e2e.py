@@ -48,6 +48,7 @@ needs_the_stack = pytest.mark.skipif(
 )
 
 SHIM = Path(__file__).with_name("openrlhf_cpu_shim")
+GPU_CHECK = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 STEPS = 2
 GROUP = 12
 ADAPTIVE = {"w_mode": "adaptive", "alpha": 0.05}  # W moves 0.05 a step: the controller's state is visible
@@ -247,6 +248,14 @@ def trained(coin_model, tmp_path_factory):
     return result
 
 
+def gpu_check():
+    """scripts/gpu_check.py, whose check_openrlhf is the verdict of the GPU check's OpenRLHF stage."""
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """TensorBoard scalars OpenRLHF wrote (logger.tensorboard_dir = run_dir/tb): tag -> [(step, value)]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -357,6 +366,68 @@ def test_the_actor_was_trained_and_the_engine_received_its_weights(trained, coin
 
 @pytest.mark.slow
 @needs_the_stack
+def test_the_engine_scored_the_sampled_tokens_as_the_trainer_did_at_every_step(trained):
+    """The engine's log-probs of the sampled tokens (asked for every turn, of the distribution sampled from) against
+    the trainer's at the same weights: bf16 training vs the engine's fp32 here, so close but not equal."""
+    logged = {tag: dict(values) for tag, values in scalars(trained.run_dir).items()}
+    diffs = logged["train/rollout_logprob_abs_diff"]
+    assert sorted(diffs) == [1, 2]
+    assert all(0 < diff < 0.02 for diff in diffs.values()), diffs
+    assert all(0 < worst < 0.5 for worst in logged["train/rollout_logprob_abs_diff_max"].values())
+
+
+@pytest.mark.slow
+@needs_the_stack
+def test_the_gpu_checks_verdict_passes_this_run_and_fails_it_without_its_final_model(trained, tmp_path):
+    import shutil
+
+    verdict = gpu_check()
+    failures, lines = verdict.check_openrlhf(trained.run_dir, 0, STEPS)
+    assert failures == [], lines
+    assert verdict.check_openrlhf(trained.run_dir, 0, STEPS + 1)[0] == [f"{STEPS} of {STEPS + 1} steps trained"]
+    copy = tmp_path / "rl"
+    shutil.copytree(trained.run_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "final"))
+    failures, _ = verdict.check_openrlhf(copy, 0, STEPS)
+    assert len(failures) == 1 and "the final Hugging Face model is missing" in failures[0]
+
+
+@pytest.fixture(scope="module")
+def dropped_sync(coin_model, tmp_path_factory):
+    """The GPU check's OpenRLHF run (its overrides, with what a CPU cannot do replaced) where the engine receives
+    every weight sync and loads none (the shim's STARE_SHIM_DROP_SYNC). Made smaller and quicker than that run
+    (groups of 4, 2 steps at lr 1e-3 instead of 3 at the check's 2e-4): the drift shows at step 2 already."""
+    folder = tmp_path_factory.mktemp("openrlhf_dropped_sync")
+    verdict = gpu_check()
+    shape = {key.removeprefix("openrlhf."): value for key, value in verdict.OPENRLHF_SHAPE.items()}
+    del shape["optim.lr"]
+    cpu = {"vllm.enable_sleep": False, "ds.enable_sleep": False, "vllm.sync_backend": "gloo"}  # GPU-only as set
+    small = {"rollout.micro_batch_size": 4}
+    path = write_run_config(folder, coin_model, STEPS, **{**shape, **cpu, **small})
+    config = yaml.safe_load(path.read_text())
+    config["optim"]["lr"], config["save_every"] = 1e-3, 0
+    config["rollout"]["group_size"] = config["loss"]["micro_batch_size"] = 4
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    result = run_cli(path, folder / "report", folder / "run.log", env={"STARE_SHIM_DROP_SYNC": "1"})
+    print(f"\nstare-agent rl (openrlhf, weight sync dropped) timings: {result.phases}")
+    assert result.returncode == 0, result.output[-6000:]
+    return NS(run_dir=folder / "runs" / "rl", report=folder / "report", verdict=verdict, output=result.output)
+
+
+@pytest.mark.slow
+@needs_the_stack
+def test_the_gpu_checks_verdict_fails_a_run_whose_engine_never_got_the_trained_weights(dropped_sync):
+    (engine,) = engine_reports(dropped_sync.report)
+    for sync in sorted(engine.glob("sync*.pt")):  # the fault as injected: each sync left the engine as it was
+        state = torch.load(sync)
+        assert torch.equal(state["before"], state["after"])
+    assert f"rl: trained {STEPS} of {STEPS} steps" in dropped_sync.output  # the run itself went fine
+    failures, lines = dropped_sync.verdict.check_openrlhf(dropped_sync.run_dir, 0, STEPS)
+    assert len(failures) == 1, failures
+    assert "the weight sync did not reach the engine" in failures[0], lines
+
+
+@pytest.mark.slow
+@needs_the_stack
 def test_resume_auto_restores_the_stare_controller_and_the_engine_weights(trained, coin_model):
     """`resume=auto` with one more step: OpenRLHF loads global_step2, our hooks restore the controller from it."""
     after_two = safetensors(trained.run_dir / "final")  # read now: the resumed run saves its own final model here
@@ -394,3 +465,5 @@ def test_a_failure_inside_openrlhf_exits_non_zero_with_its_traceback(coin_model,
     assert "train_ppo_ray.py" in result.output
     assert (tmp_path / "runs" / "rl" / "config.yaml").exists()
     assert "rl: trained" not in result.output
+    failures, _ = gpu_check().check_openrlhf(tmp_path / "runs" / "rl", result.returncode, STEPS)
+    assert [f for f in failures if f.startswith("no step was trained")] and [f for f in failures if "final" in f]

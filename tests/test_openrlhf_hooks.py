@@ -14,6 +14,7 @@ results through `ray.put` / `ray.get`; it is shut down at the end.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import socket
@@ -200,8 +201,9 @@ class LocalGroup:
         return [ray.put(getattr(self.rank, method_name)(**kwargs))]
 
 
-def rollout_samples(vocab: int, rewards: list[float], seed: int = 0):
-    """One OpenRLHF Experience per episode, made by its own SamplesGenerator from agent-executor dicts."""
+def rollout_samples(vocab: int, rewards: list[float], seed: int = 0, logprobs: bool = False):
+    """One OpenRLHF Experience per episode, made by its own SamplesGenerator from agent-executor dicts; with
+    `logprobs`, the engine's log-probs: random on sampled ids, 7.0 (never a log-prob) on the others."""
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
     generator = SamplesGenerator(NS(args=openrlhf_args()), None, None, tokenizer=None, vllm_engines=[])
@@ -220,6 +222,12 @@ def rollout_samples(vocab: int, rewards: list[float], seed: int = 0):
             "rollout_log_probs": None,
             "extra_logs": {},
         }
+        if logprobs:
+            sampled = torch.zeros(n, dtype=torch.bool)
+            for start, end in response["action_ranges"]:
+                sampled[start:end] = True
+            values = torch.where(sampled, -torch.rand(n, generator=g) * 3, torch.full((n,), 7.0))
+            response["rollout_log_probs"] = values.tolist()
         samples.append(generator._process_response_into_experience(response, max_len=2048))
     return samples
 
@@ -236,7 +244,7 @@ class CountingController(StareController):
         return super().__call__(*args, **kwargs)
 
 
-def make_experiences(hooks, model, maker_cls, monkeypatch, temperature=0.8, **maker_kwargs):
+def make_experiences(hooks, model, maker_cls, monkeypatch, temperature=0.8, logprobs=False, **maker_kwargs):
     """OpenRLHF's real make_experience_batch (split, forward, advantages) over 8 episodes in micro-batches of 3."""
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
@@ -246,7 +254,7 @@ def make_experiences(hooks, model, maker_cls, monkeypatch, temperature=0.8, **ma
     maker = maker_cls(
         group, None, None, None, FixedKLController(0.0), NS(args=args), NS(pad_token_id=0), **maker_kwargs
     )
-    experiences = maker.make_experience_batch(rollout_samples(model.config.vocab_size, REWARDS))
+    experiences = maker.make_experience_batch(rollout_samples(model.config.vocab_size, REWARDS, logprobs=logprobs))
     return experiences, maker, group
 
 
@@ -290,6 +298,25 @@ def test_stare_scales_openrlhfs_advantages_by_the_weights_of_the_whole_step(hook
     assert metrics["stare/gate"] == 1.0 and metrics["stare/w"] == 1.5 and metrics["stare/m"] == 0.6
     assert sum(metrics[f"theory/regime_{name}"] for name in REGIMES) == 1.0
     assert maker.pop_metrics() == {}
+
+
+def test_each_step_logs_the_engines_log_probs_against_the_trainers(hooks, local_ray, tiny_model, monkeypatch):
+    """Over every action token of the step's micro-batches (widths differ), nothing outside the action mask."""
+    controller = CountingController(STARE_ON)
+    ours, maker, _ = make_experiences(
+        hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, logprobs=True, controller=controller
+    )
+    diffs = torch.cat([(e.rollout_log_probs - e.action_log_probs).abs()[e.action_mask.bool()] for e in ours])
+    everywhere = torch.cat([(e.rollout_log_probs - e.action_log_probs).abs().flatten() for e in ours])
+    assert diffs.numel() == sum(int(e.action_mask.sum()) for e in ours) and everywhere.max() > diffs.max()
+    metrics = maker.pop_metrics()
+    assert metrics["rollout_logprob_abs_diff"] == pytest.approx(float(diffs.mean()))
+    assert metrics["rollout_logprob_abs_diff_max"] == pytest.approx(float(diffs.max()))
+    assert "stare/gate" in metrics  # alongside the step's STARE metrics
+
+    # an executor that returns no log-probs: no such metric (OpenRLHF's own executors, asked for none)
+    _, maker, _ = make_experiences(hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, controller=controller)
+    assert "rollout_logprob_abs_diff" not in maker.pop_metrics()
 
 
 def same_experience(a, b) -> bool:
@@ -579,12 +606,14 @@ def test_install_puts_our_classes_where_train_ppo_ray_finds_them(hooks, monkeypa
 
     import openrlhf.cli.train_ppo_ray as cli
     import openrlhf.trainer.ppo_trainer as trainer_module
+    import openrlhf.trainer.ray as engines_package
     import openrlhf.trainer.ray.ppo_actor as actor_module
 
     for module, name in (
         (actor_module, "PolicyModelActor"),
         (trainer_module, "PPOTrainer"),
         (cli, "PolicyModelActor"),
+        (engines_package, "create_vllm_engines"),
     ):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     installed = hooks.install()
@@ -596,6 +625,21 @@ def test_install_puts_our_classes_where_train_ppo_ray_finds_them(hooks, monkeypa
     assert trainer_cls.__ray_actor_class__ is hooks.StarePPOTrainer
     assert actor_cls._default_options == hooks.ORIGINAL_ACTOR._default_options == {"num_gpus": 1}
     assert trainer_cls._default_options == hooks.ORIGINAL_TRAINER._default_options
+
+    # The engines OpenRLHF's CLI creates return the log-probs of the distribution sampled from, whatever
+    # OpenRLHF's importance-sampling setting (it passes logprobs_mode None, positionally, when that is off).
+    created = engines_package.create_vllm_engines
+    assert getattr(created, "stare_processed_logprobs", False)
+    hooks.install()
+    assert engines_package.create_vllm_engines is created  # wrapped once
+    signature = inspect.signature(created)
+    seen_calls = []
+    recorder = hooks._processed_logprobs(
+        functools.wraps(inspect.unwrap(created))(lambda *a, **k: seen_calls.append(signature.bind(*a, **k)))
+    )
+    recorder(1, 1, "model", 0, False, True, True, 2048, None, 0.9, True, None, agent_func_path="x.py")
+    assert seen_calls[0].arguments["logprobs_mode"] == "processed_logprobs"
+    assert seen_calls[0].arguments["agent_func_path"] == "x.py" and seen_calls[0].arguments["max_model_len"] == 2048
 
     # The CLI run as __main__ (as the launcher runs it) binds our actor class; stopped at its parse_args.
     seen = {}
@@ -611,6 +655,7 @@ def test_install_puts_our_classes_where_train_ppo_ray_finds_them(hooks, monkeypa
     with pytest.raises(Stop):
         runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
     assert seen["globals"]["PolicyModelActor"] is actor_cls
+    assert seen["globals"]["create_vllm_engines"] is created
 
 
 # --- full batches: the sample generator inside OpenRLHF's own fit loop ---------------------------------------------
@@ -626,7 +671,7 @@ def scripted_response(kind: str, sample: int, prompt: str, label: str) -> dict:
     reward = None if kind in ("broken", "long") else float(kind == "varied" and sample % 2 == 1)
     finish = "sandbox_error" if kind == "broken" else "length" if kind == "long" else "answer"
     result = EpisodeResult("p", [5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -1.0, -1.0], 2, turns, None, reward, finish)
-    return to_response(result, prompt=prompt, label=label, with_logprobs=False)
+    return to_response(result, prompt=prompt, label=label)
 
 
 class ScriptedEngine:

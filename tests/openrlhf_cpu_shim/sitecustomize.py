@@ -38,7 +38,8 @@ loaded with `model.load_weights`. Substituted, and nothing else:
    and the engine runs in fp32 here, so bf16 is accepted and the reload casts it into the fp32 parameters.
 OpenRLHF's side runs unchanged (process-group layout, the per-parameter calls, ZeRO gathering, prefix-cache reset,
 barriers). With STARE_SHIM_REPORT_DIR set, each sync saves one engine parameter before and after it, so the test
-can check that the engine ends up with exactly the trained weights.
+can check that the engine ends up with exactly the trained weights. With STARE_SHIM_DROP_SYNC=1 the engine receives
+every parameter and loads none (a sync that did not reach the engine, for the GPU check's verdict test).
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ def _patch_worker_wrap(module):
         received.append((name, weight))
         if empty_cache:
             before = _probe(self.model_runner.model)
-            self.model_runner.reload_weights(weights_iterator=received, is_checkpoint_format=True)
+            if os.environ.get("STARE_SHIM_DROP_SYNC") != "1":  # a fault on request: weights received, not loaded
+                self.model_runner.reload_weights(weights_iterator=received, is_checkpoint_format=True)
             self._stare_received = []
             _report_sync(before, _probe(self.model_runner.model))
 
@@ -255,9 +257,32 @@ def _patch_deepspeed_comm(module):
     module.build_shm_op = lambda: None
 
 
+def _patch_deepspeed_collectives(module):
+    # Not a CUDA call, a CPU hazard: ZeRO-3 gathers a layer's parameters by launching one async all-gather per
+    # parameter and waiting for the last one only (deepspeed 0.19.6, runtime/zero/partition_parameters.py:2090,
+    # `_allgather_params_coalesced`, reached from every forward and from transformers' ZeRO-3 weight loading). On
+    # a GPU the all-gathers run in order on one NCCL stream, so the last one finishing means all did. Gloo runs
+    # async work on a pool of threads, out of order: a parameter's gathered buffer can still be filling after the
+    # wait, and whatever was read or written there meanwhile is lost (seen: a layer loaded from the checkpoint,
+    # then overwritten by an unfilled partition of the rank that had not loaded it, so NaN or 1e34 weights on both
+    # ranks, in about 1 of 4 model loads with 2 ranks). Here every async all-gather completes before it returns,
+    # the order a GPU gives; the returned work's wait() is then immediate.
+    for name in ("all_gather_into_tensor", "all_gather"):
+        collective = getattr(module, name)
+
+        def completed(*args, _collective=collective, **kwargs):
+            work = _collective(*args, **kwargs)
+            if kwargs.get("async_op") and work is not None:
+                work.wait()
+            return work
+
+        setattr(module, name, completed)
+
+
 PATCHES = {
     "torch": _patch_torch,
     "ray": _patch_ray,
+    "deepspeed.comm": _patch_deepspeed_collectives,
     "deepspeed.comm.torch": _patch_deepspeed_comm,
     "openrlhf.utils.deepspeed.deepspeed": _patch_deepspeed_strategy,
     "openrlhf.utils.distributed_util": _patch_distributed_util,

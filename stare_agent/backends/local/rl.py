@@ -53,7 +53,7 @@ from stare_agent.backends.local.generation import HFGenerator
 from stare_agent.batching import BatchFill, NoStepTrained, end_message, group_verdict
 from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
-from stare_agent.loss import group_advantages, policy_loss
+from stare_agent.loss import group_advantages, logprob_mismatch, policy_loss
 from stare_agent.stare import StareController, select_quadrants
 from stare_agent.theory import REGIMES, batch_diagnostics, sampling_stats, token_logprobs
 
@@ -323,15 +323,15 @@ class Trainer:
 
     def _check_mismatch(self, batch: UpdateBatch) -> dict[str, float]:
         """Rollout vs trainer log-probs of the sampled tokens; warns once per run above rollout.logprob_tolerance."""
-        action = batch.action_mask.bool()
-        diff = (batch.rollout_logprobs - batch.old_logprobs).abs()[action]
-        mean, worst = (float(diff.mean()), float(diff.max())) if diff.numel() else (0.0, 0.0)
+        mismatch = logprob_mismatch(batch.rollout_logprobs, batch.old_logprobs, batch.action_mask)
+        mean, worst = mismatch["rollout_logprob_abs_diff"], mismatch["rollout_logprob_abs_diff_max"]
+        tokens = int(batch.action_mask.bool().sum())
         tolerance = self.config.rollout.logprob_tolerance
         if mean > tolerance and not self.mismatch_warned:
             self.mismatch_warned = True
             print(
                 f"rl: warning: at step {self.step + 1} the rollout and trainer log-probs of the sampled tokens differ "
-                f"by {mean:.4g} nats on average (max {worst:.4g}) over {diff.numel()} tokens, above "
+                f"by {mean:.4g} nats on average (max {worst:.4g}) over {tokens} tokens, above "
                 f"rollout.logprob_tolerance={tolerance}: the update is not on-policy. Likely causes: the sampler "
                 "transforms the distribution in a way the trainer does not score (top-k/top-p, repetition "
                 "penalties, a temperature other than rollout.temperature), generation in another dtype or on "
@@ -339,7 +339,7 @@ class Trainer:
                 "logged every step as train/rollout_logprob_abs_diff.)",
                 file=sys.stderr,
             )
-        return {"train/rollout_logprob_abs_diff": mean, "train/rollout_logprob_abs_diff_max": worst}
+        return {f"train/{name}": value for name, value in mismatch.items()}
 
     def accumulate_gradients(self, batch: UpdateBatch) -> dict[str, float]:
         """The clipped, STARE-weighted surrogate's gradient, summed into .grad over micro-batches.

@@ -107,14 +107,19 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> RLConfig:
 def turn_params(shared: Any, max_tokens: int) -> Any:
     """A copy of OpenRLHF's SamplingParams for one turn: our stop strings (kept in the output) and token cap.
 
-    The shared object is used by all N episodes of the prompt at once, so it is never changed. Temperature,
-    top_p/top_k and logprobs stay as OpenRLHF set them. Setting these fields after construction is what
-    vLLM's own __post_init__ would do with them: with include_stop_str_in_output no text is held back.
+    The shared object is used by all N episodes of the prompt at once, so it is never changed. Temperature and
+    top_p/top_k stay as OpenRLHF set them; the sampled token's log-prob is always asked for (OpenRLHF asks only
+    when its importance-sampling correction is on, and its loss reads them only then): the trainer compares them
+    with its own every step (`rollout_logprob_abs_diff`, hooks.py), which is how a weight sync that did not reach
+    the engine shows. Setting these fields after construction is what vLLM's own __post_init__ would do with them:
+    with include_stop_str_in_output no text is held back.
     """
     params = copy.deepcopy(shared)
     params.stop = list(protocol.STOP_STRINGS)
     params.include_stop_str_in_output = True
     params.max_tokens = max_tokens
+    if params.logprobs is None:
+        params.logprobs = 0  # the sampled token's only
     return params
 
 
@@ -125,12 +130,11 @@ class EngineGenerate:
         self.engine = engine
         self.shared = sampling_params
         self.max_turn_tokens = max_turn_tokens
-        self.with_logprobs = sampling_params.logprobs is not None
 
     async def __call__(self, ids: list[int], max_new_tokens: int) -> Sample:
         params = turn_params(self.shared, min(self.max_turn_tokens, max_new_tokens))
         output = await self.engine.generate(ids, params)
-        return completion_sample(output.outputs[0], self.with_logprobs)
+        return completion_sample(output.outputs[0])
 
 
 # --- the episode as OpenRLHF's dict -------------------------------------------------------------------------------
@@ -148,13 +152,11 @@ def action_ranges(action_mask: list[int]) -> list[tuple[int, int]]:
     return ranges
 
 
-def to_response(
-    result: EpisodeResult, *, prompt: str, label: Any, images: Any = None, with_logprobs: bool
-) -> dict[str, Any]:
+def to_response(result: EpisodeResult, *, prompt: str, label: Any, images: Any = None) -> dict[str, Any]:
     """The dict OpenRLHF 0.11.2 makes a sample of (keys as its stock executors return them).
 
     observation_tokens: all ids (prompt, sampled and observation segments); action_ranges: the sampled ones;
-    rollout_log_probs: one per id (0.0 outside actions), or None when OpenRLHF did not ask for them.
+    rollout_log_probs: one per id (0.0 outside actions).
     A sandbox failure, or a prompt that leaves no room for a response, cannot be scored: reward 0.0 and
     scores NaN, which makes dynamic filtering drop the whole group.
     """
@@ -183,7 +185,7 @@ def to_response(
         "mm_train_inputs": None,
         "observation_tokens": list(result.token_ids),
         "action_ranges": action_ranges(result.action_mask),
-        "rollout_log_probs": list(result.logprobs) if with_logprobs else None,
+        "rollout_log_probs": list(result.logprobs),
         "reward": 0.0 if unscored else float(result.reward),
         "scores": float("nan") if unscored else float(result.reward),
         "truncated": finish == "length",
@@ -286,4 +288,4 @@ class ReToolExecutor:
         else:
             model_text = "".join(turn.text for turn in result.turns)  # the model's own text, as the agent scores it
             result.reward = await asyncio.to_thread(score, model_text, str(label))
-        return to_response(result, prompt=prompt, label=label, images=images, with_logprobs=generate.with_logprobs)
+        return to_response(result, prompt=prompt, label=label, images=images)

@@ -29,6 +29,8 @@ Private OpenRLHF names this relies on (pinned by tests/test_openrlhf_hooks.py): 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from typing import Any
 
@@ -41,6 +43,7 @@ from stare_agent.backends.openrlhf.episodes import config_from_env
 from stare_agent.backends.openrlhf.stare_step import MicroBatch, stare_step
 from stare_agent.batching import BatchFill, group_verdict
 from stare_agent.config import RLConfig, RolloutConfig
+from stare_agent.loss import logprob_mismatch
 from stare_agent.stare import StareController
 from stare_agent.theory import entropy_and_s2
 
@@ -48,6 +51,7 @@ _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
 _maker_module = upstream.import_openrlhf("openrlhf.trainer.ppo_utils.experience_maker")
 _samples_module = upstream.import_openrlhf("openrlhf.trainer.ppo_utils.samples_generator")
 _trainer_module = upstream.import_openrlhf("openrlhf.trainer.ppo_trainer")
+_engines_package = upstream.import_openrlhf("openrlhf.trainer.ray")
 
 # The Ray-wrapped classes as OpenRLHF defines them, taken before install() replaces the module attributes.
 ORIGINAL_ACTOR = _actor_module.PolicyModelActor
@@ -178,6 +182,7 @@ class StareExperienceMaker(_maker_module.RemoteExperienceMaker):
                 "forward_with_stats; is StarePolicyModelActor installed? call hooks.install() before train_ppo_ray)"
             )
         self.apply_stare(experiences, stats)
+        self.metrics.update(rollout_mismatch(experiences))
         return experiences
 
     def apply_stare(self, experiences: list, stats: list[tuple[Tensor, Tensor]]) -> None:
@@ -195,6 +200,33 @@ class StareExperienceMaker(_maker_module.RemoteExperienceMaker):
     def pop_metrics(self) -> dict[str, float]:
         metrics, self.metrics = self.metrics, {}
         return metrics
+
+
+def rollout_mismatch(experiences: list) -> dict[str, float]:
+    """The engine's log-probs of the sampled tokens against the trainer's (`action_log_probs`, made with the weights
+    the engine should have), over every action token of the step: loss.logprob_mismatch. {} when the executor
+    returned none (ours always does: episodes.turn_params)."""
+    if any(exp.rollout_log_probs is None for exp in experiences):
+        return {}
+    rollout = torch.cat([exp.rollout_log_probs[exp.action_mask.bool()].float().cpu() for exp in experiences])
+    trainer = torch.cat([exp.action_log_probs[exp.action_mask.bool()].float().cpu() for exp in experiences])
+    return logprob_mismatch(rollout, trainer, torch.ones_like(rollout))
+
+
+def _processed_logprobs(create: Any) -> Any:
+    """OpenRLHF's create_vllm_engines with the engines' logprobs_mode "processed_logprobs" (the distribution sampled
+    from, after temperature and top-p, which is what the trainer scores); OpenRLHF chooses it only when its
+    importance-sampling correction is on and leaves vLLM's raw log-probs otherwise."""
+    signature = inspect.signature(create)
+
+    @functools.wraps(create)
+    def create_vllm_engines(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["logprobs_mode"] = "processed_logprobs"
+        return create(*bound.args, **bound.kwargs)
+
+    create_vllm_engines.stare_processed_logprobs = True
+    return create_vllm_engines
 
 
 class _PromptStream:
@@ -434,4 +466,7 @@ def install() -> dict[str, Any]:
     # The two defining modules, even if something replaced their attribute in between.
     _actor_module.PolicyModelActor = _remote["PolicyModelActor"]
     _trainer_module.PPOTrainer = _remote["PPOTrainer"]
+    # The CLI takes create_vllm_engines from the package openrlhf.trainer.ray when it runs.
+    if not getattr(_engines_package.create_vllm_engines, "stare_processed_logprobs", False):
+        _engines_package.create_vllm_engines = _processed_logprobs(_engines_package.create_vllm_engines)
     return dict(_remote)
