@@ -401,8 +401,8 @@ def make_config(cell: Cell, url: str, args: argparse.Namespace) -> Any:
 
 
 async def run_cell(cell: Cell, tokenizer: Any, url: str, server_pid: int | None, args: argparse.Namespace) -> dict:
-    from stare_agent.backends.local.common import make_client
     from stare_agent.backends.openrlhf.episodes import ReToolExecutor, concurrent_episodes
+    from stare_agent.runtime import make_client
 
     config = make_config(cell, url, args)
     old = cell.sizing == "old"

@@ -22,10 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from stare_agent.backends.local import rl
-from stare_agent.backends.local.common import read_metrics, set_threads
+from stare_agent.backends.local.common import read_metrics
 from stare_agent.backends.local.quickstart import REGIMES, mean, run_summary
 from stare_agent.config import RLConfig, RunConfig, load_config
 from stare_agent.plots import smooth
+from stare_agent.runtime import set_threads
 from stare_agent.stats import t_interval
 
 VARIANTS = {

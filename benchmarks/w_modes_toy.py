@@ -28,8 +28,8 @@ import dataclasses
 import statistics
 from pathlib import Path
 
-from stare_agent.backends.local.common import set_threads
 from stare_agent.config import RunConfig, SimulateConfig, load_config
+from stare_agent.runtime import set_threads
 from stare_agent.simulate import train_toy
 from stare_agent.stare import StareConfig
 from stare_agent.stats import t_interval

@@ -52,12 +52,42 @@ class Sample:
             raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} log-probs")
 
 
+def completion_sample(completion: Any) -> Sample:
+    """A Sample from one vLLM CompletionOutput (both backends' engines): its ids as generated, each id's log-prob
+    (the request must have asked for the sampled token's), the mapped finish. Finish: "stop" with a string
+    stop_reason is a stop string; "stop" otherwise is EOS (None) or an EOS id of the generation config (an int);
+    "length" is the token cap. Any other reason ("abort") is an engine error.
+    """
+    token_ids = list(completion.token_ids)
+    entries = completion.logprobs
+    if entries is None or len(entries) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(entries or [])} log-prob entries for {len(token_ids)} ids")
+    logprobs = [float(entry[token].logprob) for token, entry in zip(token_ids, entries, strict=True)]
+    finish: GenerationEnd
+    if completion.finish_reason == "length":
+        finish = "length"
+    elif completion.finish_reason == "stop":
+        finish = "stop" if isinstance(completion.stop_reason, str) else "eos"
+    else:
+        raise RuntimeError(f"vLLM ended a request with finish_reason {completion.finish_reason!r}")
+    return Sample(token_ids, logprobs, finish)
+
+
 class Generate(Protocol):
     async def __call__(self, ids: list[int], max_new_tokens: int) -> Sample: ...
 
 
 GenerateBatch = Callable[[list[list[int]], list[int]], "list[Sample] | Awaitable[list[Sample]]"]
 """(batch of id lists, max new tokens for each) -> one Sample each; may be sync or async."""
+
+
+Scorer = Callable[[str, Problem], float]
+"""Scores an episode from the model's own text (its turns, tool output excluded) and its problem: 1.0 or 0.0."""
+
+
+def score_problem(model_text: str, problem: Problem) -> float:
+    """The default Scorer: the final answer of `model_text` against the problem's gold answer (and unit)."""
+    return score(model_text, problem.answer, problem.unit)
 
 
 class ToolClient(Protocol):
@@ -128,7 +158,8 @@ class EpisodeResult:
     answer: str | None
     """The last \\boxed{} (or <answer>) of the model's own text; observations are not searched."""
     reward: float | None
-    """1.0 or 0.0; None exactly when finish_reason is sandbox_error (not scoreable, drop the group)."""
+    """1.0 or 0.0; None when finish_reason is sandbox_error (not scoreable, drop the group), and when the episode
+    ran without a scorer (its caller scores it)."""
     finish_reason: FinishReason
     sandbox_error: str | None = None
     """Why the sandbox failed, when it did."""
@@ -212,8 +243,9 @@ class _Tools:
 class _Episode:
     """State of one episode; the drivers feed it samples and tool results."""
 
-    def __init__(self, problem: Problem, tokenizer: Any, config: AgentConfig):
+    def __init__(self, problem: Problem, tokenizer: Any, config: AgentConfig, scorer: Scorer | None):
         self.problem = problem
+        self.scorer = scorer
         self.tokenizer = tokenizer
         self.config = config
         messages = protocol.prompt_messages(problem.problem, config.system_prompt)
@@ -292,8 +324,8 @@ class _Episode:
         assert self.finish is not None, "episode still running"
         answer = extract_answer("".join(self.model_text))
         reward = None
-        if self.finish != "sandbox_error":
-            reward = score("".join(self.model_text), self.problem.answer, self.problem.unit)
+        if self.finish != "sandbox_error" and self.scorer is not None:
+            reward = self.scorer("".join(self.model_text), self.problem)
         return EpisodeResult(
             problem_id=self.problem.id,
             token_ids=self.ids,
@@ -325,11 +357,20 @@ async def _close_all(tools: Sequence[_Tools]) -> None:
 
 
 async def run_episode(
-    problem: Problem, *, tokenizer: Any, generate: Generate, client: ToolClient, config: AgentConfig | None = None
+    problem: Problem,
+    *,
+    tokenizer: Any,
+    generate: Generate,
+    client: ToolClient,
+    config: AgentConfig | None = None,
+    scorer: Scorer | None = score_problem,
 ) -> EpisodeResult:
-    """One episode: generate, run tool calls, append observations, until the model finishes or a budget ends it."""
+    """One episode: generate, run tool calls, append observations, until the model finishes or a budget ends it.
+
+    `scorer` sets the reward at the end, on the caller's thread; None leaves it unset for the caller to score.
+    """
     config = config or AgentConfig()
-    episode = _Episode(problem, tokenizer, config)
+    episode = _Episode(problem, tokenizer, config, scorer)
     tools = _Tools(client, config)
     try:
         while episode.finish is None:
@@ -348,6 +389,7 @@ async def run_batch(
     generate_batch: GenerateBatch,
     client: ToolClient,
     config: AgentConfig | None = None,
+    scorer: Scorer | None = score_problem,
 ) -> list[EpisodeResult]:
     """Episodes in lock step: one batched generation per turn, then the turn's tool calls concurrently.
 
@@ -356,7 +398,7 @@ async def run_batch(
     sandbox must allow as many sessions as episodes that call the tool.
     """
     config = config or AgentConfig()
-    episodes = [_Episode(problem, tokenizer, config) for problem in problems]
+    episodes = [_Episode(problem, tokenizer, config, scorer) for problem in problems]
     tools = [_Tools(client, config) for _ in episodes]
     try:
         while live := [i for i, e in enumerate(episodes) if e.finish is None]:

@@ -229,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
     """A pipeline command: load its config, set torch's CPU threads (run.threads), then its module's run(config)."""
     import importlib
 
-    from stare_agent.backends.local.common import set_threads
+    from stare_agent.runtime import set_threads
 
     config_class, module = COMMANDS[args.command]
     config = load_config(config_class, args.config, args.overrides)

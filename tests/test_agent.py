@@ -294,3 +294,23 @@ def test_stop_string_inside_a_token_keeps_the_sampled_ids(tiny_tokenizer):
     assert result.turns[0].output == "2" and result.turns[0].text == CALL_1 + "\n\n"
     first = script.samples[0].token_ids
     assert result.token_ids[result.prompt_len : result.prompt_len + len(first)] == first
+
+
+def test_the_scorer_is_the_callers_choice(tiny_tokenizer):
+    """Default: the gold answer checked inline; a callable of the caller's (given the model's own text and the
+    problem, once); or none, for the caller to score."""
+    seen = []
+
+    def quarter(text, problem):
+        seen.append((text, problem.id))
+        return 0.25
+
+    for kwargs, expected in (({}, 1.0), ({"scorer": quarter}, 0.25), ({"scorer": None}, None)):
+        script = Scripted(tiny_tokenizer, [CALL_1, ANSWER])
+
+        async def body(client, script=script, kwargs=kwargs):
+            return await run_episode(PROBLEM, tokenizer=tiny_tokenizer, generate=script, client=client, **kwargs)
+
+        result = run(with_client(body))
+        assert result.finish_reason == "answer" and result.reward == expected
+    assert seen == [(CALL_1 + ANSWER, "p1")]

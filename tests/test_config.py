@@ -192,7 +192,7 @@ def test_a_renamed_key_names_its_new_name(tmp_path):
 
 
 def test_sandbox_urls_reach_the_client_and_exclude_url():
-    from stare_agent.backends.local.common import make_client
+    from stare_agent.runtime import make_client
 
     config = load_config(RLConfig, overrides=["sandbox.urls=[http://127.0.0.1:8765,http://127.0.0.1:8766/]"])
     client = make_client(config.sandbox)

@@ -13,7 +13,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "stare_agent"
 MATH_MODULES = ["stare.py", "theory.py", "loss.py"]
 MATH_ALLOWED = {"torch", "math", "typing", "dataclasses", "fractions", "collections", "__future__"}
-SHARED_MODULES = ["stare.py", "theory.py", "loss.py", "protocol.py", "agent.py", "reward.py", "data.py", "config.py"]
+SHARED_MODULES = [
+    "stare.py", "theory.py", "loss.py", "protocol.py", "agent.py", "reward.py", "data.py", "config.py", "runtime.py",
+    "batching.py",
+]  # fmt: skip
 FRAMEWORKS = {"openrlhf", "vllm", "ray", "deepspeed", "flash_attn"}
 
 
@@ -66,4 +69,37 @@ def test_only_the_openrlhf_backend_imports_the_cluster_stack():
         for name in imported_roots(path) & set(allowed):
             if rel not in allowed[name]:
                 offenders.append(f"{rel} imports {name}")
+    assert offenders == []
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module name a file imports, also inside functions (`from a.b import c` gives a.b)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_backends_depend_on_the_core_never_on_each_other():
+    """What both backends need lives in the shared layer (runtime, agent, batching, loss ...), not in one of them."""
+    offenders = []
+    for this, other in (("local", "openrlhf"), ("openrlhf", "local")):
+        for path in sorted((PACKAGE / "backends" / this).rglob("*.py")):
+            for name in imported_modules(path):
+                if name.startswith(f"stare_agent.backends.{other}"):
+                    offenders.append(f"backends/{this}/{path.name} imports {name}")
+    assert offenders == []
+
+
+def test_the_core_imports_no_backend():
+    offenders = [
+        f"{path.name} imports {name}"
+        for path in sorted(PACKAGE.glob("*.py"))
+        if path.name != "cli.py"  # the command line dispatches to the backends
+        for name in imported_modules(path)
+        if name.startswith("stare_agent.backends")
+    ]
     assert offenders == []

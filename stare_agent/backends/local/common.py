@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stare_agent.config import ConfigError, ModelConfig, OptimConfig, RunConfig, SandboxConfig
+from stare_agent.config import ConfigError, ModelConfig, OptimConfig
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
@@ -73,25 +73,6 @@ def next_token_logits(model: Any, ids: torch.Tensor, attention: torch.Tensor) ->
     return logits, torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
 
 
-def make_client(config: SandboxConfig, concurrent_episodes: int = 0) -> Any:
-    """The sandbox client: the service(s) at config.urls or config.url, else kernels in this process (call
-    `start()` first).
-
-    In-process, max_kernels is raised to at least concurrent_episodes + pool_size: in stateful mode every
-    live episode holds a kernel, and running out would turn into sandbox errors.
-    """
-    servers = config.urls or ([config.url] if config.url else [])
-    if servers:
-        from sandbox.client import AsyncSandboxClient
-
-        return AsyncSandboxClient(servers, config.token or os.environ.get("SANDBOX_TOKEN"))
-    from sandbox.client import InProcessClient
-    from sandbox.kernels import PoolSettings
-
-    max_kernels = max(config.max_kernels, concurrent_episodes + config.pool_size)
-    return InProcessClient(PoolSettings(pool_size=config.pool_size, max_kernels=max_kernels))
-
-
 def progress(total: int, desc: str, initial: int = 0, unit: str = "step") -> Any:
     """A tqdm bar; redrawn at most every 30 s when the output is not a terminal (logs stay readable)."""
     import sys
@@ -130,16 +111,6 @@ def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: f
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
-
-
-def set_threads(run: RunConfig) -> None:
-    """torch's intra-op CPU threads from run.threads (0 = leave torch's default); call before any model runs.
-
-    Once per process (the quickstart's stages share it). The inter-op pool is left alone: eager training and
-    generation do not use it, and setting it after first use raises.
-    """
-    if run.threads:
-        torch.set_num_threads(run.threads)
 
 
 def seed_everything(seed: int) -> None:

@@ -6,13 +6,14 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from stare_agent.backends.local.common import load_model, make_client, seed_everything
+from stare_agent.backends.local.common import load_model, seed_everything
 from stare_agent.backends.local.generation import HFGenerator
 from stare_agent.backends.local.vllm_generation import VLLMGenerator
 from stare_agent.backends.local.vllm_generation import available as vllm_available
 from stare_agent.config import ConfigError, EvalConfig, run_path, save_config
 from stare_agent.data import Problem, load_benchmark, load_problems
 from stare_agent.eval import BenchmarkReport, evaluate, write_reports
+from stare_agent.runtime import make_client
 
 
 def problem_sets(config: EvalConfig) -> dict[str, list[Problem]]:

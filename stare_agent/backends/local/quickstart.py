@@ -22,10 +22,11 @@ from typing import Any
 
 from stare_agent import plots
 from stare_agent.backends.local import evaluate, rl, sft
-from stare_agent.backends.local.common import make_client, read_metrics
+from stare_agent.backends.local.common import read_metrics
 from stare_agent.config import QuickstartConfig, RunConfig, run_path, save_config
 from stare_agent.data import write_records
 from stare_agent.models import build_tiny_model, tiny_corpus
+from stare_agent.runtime import make_client
 from stare_agent.stare import StareConfig
 from stare_agent.stats import bootstrap_interval, problem_accuracy
 from stare_agent.tasks import generate_tasks, make_sft_rows

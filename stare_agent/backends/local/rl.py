@@ -38,7 +38,6 @@ from stare_agent.backends.local.common import (
     clip_and_step,
     load_model,
     load_trainer_state,
-    make_client,
     make_optimizer,
     next_token_logits,
     progress,
@@ -54,6 +53,7 @@ from stare_agent.batching import BatchFill, NoStepTrained, end_message, group_ve
 from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
 from stare_agent.loss import group_advantages, logprob_mismatch, policy_loss
+from stare_agent.runtime import make_client
 from stare_agent.stare import StareController, select_quadrants
 from stare_agent.theory import REGIMES, batch_diagnostics, sampling_stats, token_logprobs
 

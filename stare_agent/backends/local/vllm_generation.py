@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stare_agent import protocol
-from stare_agent.agent import GenerationEnd, Sample
+from stare_agent.agent import Sample, completion_sample
 from stare_agent.backends.local.generation import GenerationStats, check_batch, turn_limits
 
 
@@ -168,28 +168,3 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
-
-
-def completion_sample(completion: Any, with_logprobs: bool = True) -> Sample:
-    """A Sample from one vLLM CompletionOutput: its ids as generated, each id's log-prob, the mapped finish.
-
-    with_logprobs=False (the request asked for none) gives NaN log-probs. Finish: "stop" with a string
-    stop_reason is a stop string; "stop" otherwise is EOS (None) or an EOS id of the generation config (an
-    int); "length" is the token cap. Any other reason ("abort") is an engine error.
-    """
-    token_ids = list(completion.token_ids)
-    if with_logprobs:
-        entries = completion.logprobs
-        if entries is None or len(entries) != len(token_ids):
-            raise RuntimeError(f"vLLM returned {len(entries or [])} log-prob entries for {len(token_ids)} ids")
-        logprobs = [float(entry[token].logprob) for token, entry in zip(token_ids, entries, strict=True)]
-    else:
-        logprobs = [float("nan")] * len(token_ids)
-    finish: GenerationEnd
-    if completion.finish_reason == "length":
-        finish = "length"
-    elif completion.finish_reason == "stop":
-        finish = "stop" if isinstance(completion.stop_reason, str) else "eos"
-    else:
-        raise RuntimeError(f"vLLM ended a request with finish_reason {completion.finish_reason!r}")
-    return Sample(token_ids, logprobs, finish)

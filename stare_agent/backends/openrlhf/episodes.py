@@ -40,11 +40,9 @@ from typing import Any
 
 from sandbox.client import SandboxUnavailable
 from stare_agent import protocol
-from stare_agent.agent import EpisodeResult, Sample, ToolClient, run_episode
-from stare_agent.backends.local.vllm_generation import completion_sample
+from stare_agent.agent import EpisodeResult, Sample, ToolClient, completion_sample, run_episode, score_problem
 from stare_agent.config import ConfigError, RLConfig, load_config, to_dict
 from stare_agent.data import Problem
-from stare_agent.reward import score
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +66,6 @@ EXTRA_LOGS = (
 """Keys of `extra_logs`, the same for every sample: OpenRLHF merges the per-sample `info` dicts key by key, so a
 key missing from one sample would misalign the batch. response_tokens counts sampled ids only (OpenRLHF's
 response_length spans the first to the last action token, tool output included)."""
-
-_NO_GOLD = ""
-"""Gold answer given to run_episode, which scores inline on the event loop; an empty gold makes that score a
-no-op (math-verify fails on it at once) and the real score runs in a thread afterwards."""
 
 
 # --- config -------------------------------------------------------------------------------------------------------
@@ -224,7 +218,7 @@ class ReToolExecutor:
         self._client_lock = asyncio.Lock()
 
     def _default_client(self) -> Any:
-        from stare_agent.backends.local.common import make_client
+        from stare_agent.runtime import make_client
 
         return make_client(self.config.sandbox, concurrent_episodes(self.config))
 
@@ -275,8 +269,10 @@ class ReToolExecutor:
             agent = dataclasses.replace(agent, max_total_tokens=max_length)
         client = await self.client()
         generate = EngineGenerate(llm_engine, sampling_params, self.config.rollout.max_turn_tokens)
-        problem = Problem(id="openrlhf", problem=str(prompt), answer=_NO_GOLD, source="openrlhf")
-        result = await run_episode(problem, tokenizer=hf_tokenizer, generate=generate, client=client, config=agent)
+        problem = Problem(id="openrlhf", problem=str(prompt), answer=str(label), source="openrlhf")
+        result = await run_episode(
+            problem, tokenizer=hf_tokenizer, generate=generate, client=client, config=agent, scorer=None
+        )  # scored below, in a thread: math-verify can take seconds and the engine's event loop serves all episodes
         if result.finish_reason == "sandbox_error":
             logger.warning("sandbox failed; the prompt's group is dropped: %s", result.sandbox_error)
         elif not result.turns:
@@ -287,5 +283,5 @@ class ReToolExecutor:
             )
         else:
             model_text = "".join(turn.text for turn in result.turns)  # the model's own text, as the agent scores it
-            result.reward = await asyncio.to_thread(score, model_text, str(label))
+            result.reward = await asyncio.to_thread(score_problem, model_text, problem)
         return to_response(result, prompt=prompt, label=label, images=images)
