@@ -21,6 +21,7 @@ from typing import Any
 
 from stare_agent.backends.local.common import read_metrics
 from stare_agent.backends.local.quickstart import logged, mean, regime_counts, regimes_text, spread, spread_text
+from stare_agent.step import regime_of
 
 
 def _sign(value: float | None) -> str:
@@ -51,7 +52,7 @@ def per_step(rows: list[dict[str, Any]]) -> list[str]:
     keys = ["theory/lambda", "theory/gamma", "theory/regime", "theory/critical_weight", "theory/proxy_precision"]
     lines = ["| step | Lambda | Gamma | regime | W* | proxy precision |", "|---:|---:|---:|---|---:|---:|"]
     for r in rows:
-        cells = [r.get(k) for k in keys]
+        cells = [regime_of(r) if k == "theory/regime" else r.get(k) for k in keys]
         lines.append(
             f"| {r['step']} | "
             + " | ".join("-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v) for v in cells)

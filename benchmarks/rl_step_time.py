@@ -14,6 +14,7 @@ from pathlib import Path
 
 from stare_agent.backends.local.common import read_metrics
 
+# time/theory: runs made before both backends shared stare_agent.step, which now counts it in time/stare
 PARTS = ["time/generation", "time/tools", "time/forward", "time/stare", "time/theory", "time/backward"]
 
 

@@ -29,6 +29,7 @@ from stare_agent.models import build_tiny_model, tiny_corpus
 from stare_agent.runtime import make_client
 from stare_agent.stare import StareConfig
 from stare_agent.stats import bootstrap_interval, problem_accuracy
+from stare_agent.step import regime_of
 from stare_agent.tasks import generate_tasks, make_sft_rows
 from stare_agent.theory import REGIMES
 
@@ -61,7 +62,7 @@ def spread(values: list[float]) -> dict[str, Any]:
 def regime_counts(rows: list[dict[str, Any]]) -> dict[str, int] | None:
     """Steps in each theory/regime (theory.REGIMES, then any other value logged); None for a run that logged
     no regime (one from before the metric), so that it reads as unknown rather than as zero steps."""
-    counts = Counter(r.get("theory/regime") for r in rows)
+    counts = Counter(regime_of(r) for r in rows)
     if set(counts) == {None}:
         return None
     return {name: counts.pop(name, 0) for name in REGIMES} | {str(k): n for k, n in counts.items()}

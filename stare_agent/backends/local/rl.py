@@ -54,8 +54,9 @@ from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
 from stare_agent.loss import group_advantages, logprob_mismatch, policy_loss
 from stare_agent.runtime import make_client
-from stare_agent.stare import StareController, select_quadrants
-from stare_agent.theory import REGIMES, batch_diagnostics, sampling_stats, token_logprobs
+from stare_agent.stare import StareController
+from stare_agent.step import MicroBatch, stare_step
+from stare_agent.theory import sampling_stats, token_logprobs
 
 
 class TimedClient:
@@ -297,25 +298,11 @@ class Trainer:
         timings["time/stare"] = time.perf_counter() - started
 
         started = time.perf_counter()
-        high_pos = select_quadrants(batch.surprisal, advantages, mask, cfg.stare.top_ratio, ("high+",))["high+"]
-        theory = batch_diagnostics(batch.surprisal, advantages, mask, entropy, s2, high_pos)
-        timings["time/theory"] = time.perf_counter() - started
-
-        started = time.perf_counter()
-        batch.weights, stare_metrics = self.controller(
-            batch.surprisal, advantages, mask, entropy, critical_weight=theory["theory/critical_weight"]
+        (batch.weights,), step_metrics = stare_step(
+            self.controller, [MicroBatch(old_logprobs, advantages, mask, entropy, s2)]
         )
         timings["time/stare"] += time.perf_counter() - started
-        metrics = {
-            **{k: float(v) for k, v in stare_metrics.items()},
-            **{k: float(v) for k, v in theory.items() if k != "theory/regime"},
-            "theory/regime": REGIMES[int(theory["theory/regime"])],
-            "stare/w": self.controller.w,
-            "stare/m": self.controller.m,
-            **self._check_mismatch(batch),
-            **timings,
-        }
-        return batch, metrics
+        return batch, {**step_metrics, **self._check_mismatch(batch), **timings}
 
     def _micro_batches(self, rows: int) -> list[slice]:
         micro = self.config.loss.micro_batch_size

@@ -40,11 +40,11 @@ from torch import Tensor
 
 from stare_agent.backends.openrlhf import upstream
 from stare_agent.backends.openrlhf.episodes import config_from_env
-from stare_agent.backends.openrlhf.stare_step import MicroBatch, stare_step
 from stare_agent.batching import BatchFill, group_verdict
 from stare_agent.config import RLConfig, RolloutConfig
 from stare_agent.loss import logprob_mismatch
 from stare_agent.stare import StareController
+from stare_agent.step import MicroBatch, stare_step
 from stare_agent.theory import entropy_and_s2
 
 _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stare_agent.backends.openrlhf.stare_step import MicroBatch, stare_step
 from stare_agent.stare import StareConfig, StareController
+from stare_agent.step import MicroBatch, stare_step
+from stare_agent.theory import REGIMES
 
 
 def rollout_batch(rows: int = 12, width: int = 20, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -97,3 +98,25 @@ def test_critical_mode_gets_the_whole_step_critical_weight():
         assert controller.w == metrics["stare/w"] and controller.w == pytest.approx(expected, rel=1e-6)
         seen.append(w_star == w_star)
     assert any(seen) and not all(seen)  # both cases were met
+
+
+def test_one_advantage_per_row_is_every_action_token_s_advantage():
+    """The local backend's (B,) GRPO advantages give the weights and metrics of the same advantage on every token."""
+    batch = rollout_batch(seed=3)
+    rows = batch["advantages"].sum(1) / batch["mask"].sum(1)  # each row's advantage
+    whole = [MicroBatch(batch["log_probs"], rows, batch["mask"], batch["entropy"], batch["s2"])]
+    per_token = [MicroBatch(batch["log_probs"], batch["advantages"], batch["mask"], batch["entropy"], batch["s2"])]
+    (w1,), m1 = stare_step(StareController(CONFIG), whole)
+    (w2,), m2 = stare_step(StareController(CONFIG), per_token)
+    torch.testing.assert_close(w1[batch["mask"]], w2[batch["mask"]])
+    assert m1.keys() == m2.keys()
+    assert [k for k in m1 if m1[k] != pytest.approx(m2[k], rel=1e-5, abs=1e-6, nan_ok=True)] == []
+
+
+def test_the_regime_of_a_metrics_row_old_and_new():
+    from stare_agent.step import regime_of
+
+    _, metrics = stare_step(StareController(CONFIG), split(rollout_batch(), [(0, 12)]))
+    assert regime_of(metrics) in REGIMES and sum(metrics[f"theory/regime_{n}"] for n in REGIMES) == 1.0
+    assert regime_of({"theory/regime": "needs_w"}) == "needs_w"  # a run logged before the one-hot schema
+    assert regime_of({"stare/w": 1.1}) is None

@@ -1,14 +1,13 @@
-"""STARE once per optimizer step over the whole rollout batch, as OpenRLHF hands it over in micro-batches.
+"""One step of entropy control over the whole rollout batch, called by both backends: STARE's weights, the
+first-order diagnostics and the step's metrics, one schema.
 
-OpenRLHF's experience maker returns the step's rollouts as a list of micro-batch `Experience`s, each
-right-padded to its own width: action log-probs, per-token advantages (the group-normalized reward on
-every action token), the action mask, and (from our forward) the sampling policy's entropy and S2. The
-paper's token selection (top P of the positive- or negative-advantage tokens by surprisal) and its gate
-are defined over the whole batch, so the micro-batches are padded to one width, STARE runs once, and
-each micro-batch gets back its own slice of the weights. The caller multiplies `advantages` by them,
-which is exact for OpenRLHF's clipped loss (the loss is positively homogeneous in the advantage).
-
-Plain torch: no OpenRLHF import, so it runs (and is tested) without a GPU stack.
+A backend hands the step's batch over as one MicroBatch (the local backend) or as the micro-batches its framework
+made, each right-padded to its own width (OpenRLHF's experience maker). The paper's token selection (top P of the
+positive- or negative-advantage tokens by surprisal) and its gate are defined over the whole batch, so the parts
+are padded to one width, the controller runs once, and each part gets back its own slice of the weights. Scaling
+a token's advantage by its weight is exact for a clipped loss (it is positively homogeneous in the advantage).
+Metrics: the controller's stare/*, stare/w and stare/m, theory/* of theory.batch_diagnostics, and the regime as
+theory/regime_<name> (1.0 for the step's regime, 0.0 for the others), numbers a TensorBoard log can hold.
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ class MicroBatch:
     """One micro-batch's per-token tensors, all (b, t) for its own b and t; positions past a row's end are padding.
 
     action_log_probs: log pi_old of each action token under the sampling policy (temperature-scaled logits);
-    advantages: the token's advantage; action_mask: 1 = sampled by the policy (prompt, observations and
-    padding 0); entropy, s2: of the sampling policy at each position.
+    advantages: the token's advantage, (b, t), or (b,) for one advantage per row (GRPO's); action_mask: 1 = sampled
+    by the policy (prompt, observations and padding 0); entropy, s2: of the sampling policy at each position.
     """
 
     action_log_probs: Tensor
@@ -41,6 +40,20 @@ class MicroBatch:
 
 def _pad(parts: Sequence[Tensor], width: int, value: float) -> Tensor:
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts])
+
+
+def _per_token(advantages: Tensor, mask: Tensor) -> Tensor:
+    return advantages[:, None].expand(mask.shape) if advantages.dim() == 1 else advantages
+
+
+def regime_of(row: dict) -> str | None:
+    """The step's regime in a metrics row: from theory/regime_<name>, or the name runs before one schema logged
+    as theory/regime; None when the row has neither."""
+    for name in REGIMES:
+        if row.get(f"theory/regime_{name}") == 1.0:
+            return name
+    value = row.get("theory/regime")
+    return None if value is None else str(value)
 
 
 def stare_step(controller: StareController, parts: Sequence[MicroBatch]) -> tuple[list[Tensor], dict[str, float]]:
@@ -55,7 +68,7 @@ def stare_step(controller: StareController, parts: Sequence[MicroBatch]) -> tupl
     width = max(p.action_mask.shape[1] for p in parts)
     mask = _pad([p.action_mask.bool() for p in parts], width, False)
     log_probs = _pad([p.action_log_probs.float() for p in parts], width, 0.0)
-    advantages = _pad([p.advantages.float() for p in parts], width, 0.0)
+    advantages = _pad([_per_token(p.advantages, p.action_mask).float() for p in parts], width, 0.0)
     entropy = _pad([p.entropy.float() for p in parts], width, 0.0)
     s2 = _pad([p.s2.float() for p in parts], width, 0.0)
     surprisal = torch.where(mask, -log_probs, torch.zeros_like(log_probs))
