@@ -181,7 +181,8 @@ class EpisodeResult:
 
     @property
     def tool_errors(self) -> int:
-        return sum(turn.status not in (None, "ok") for turn in self.turns)
+        """Calls whose code failed (error, timeout); a sandbox failure is not the model's and is counted apart."""
+        return sum(turn.status not in (None, "ok", "sandbox_error") for turn in self.turns)
 
 
 class _SandboxFailed(Exception):

@@ -179,6 +179,7 @@ def test_sandbox_failure_after_retries_is_sandbox_error_not_a_wrong_answer(tiny_
     assert result.finish_reason == "sandbox_error" and result.reward is None
     assert "connection refused" in result.sandbox_error
     assert result.turns[0].status == "sandbox_error"
+    assert result.tool_calls == 1 and result.tool_errors == 0  # the sandbox's failure, not the model's code
 
 
 def test_a_lost_session_is_replayed_before_the_retry(tiny_tokenizer):

@@ -162,7 +162,7 @@ def to_response(result: EpisodeResult, *, prompt: str, label: Any, images: Any =
         "tool_output_tokens": result.response_len - sum(result.action_mask),
         "turns": len(result.turns),
         "tool_calls": result.tool_calls,
-        "tool_errors": sum(turn.status not in (None, "ok", "sandbox_error") for turn in result.turns),
+        "tool_errors": result.tool_errors,
         "tool_seconds": sum(turn.duration_ms for turn in result.turns) / 1000,
         "finish_answer": int(finish == "answer"),
         "finish_eos": int(finish == "eos"),
