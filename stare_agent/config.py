@@ -56,8 +56,7 @@ class RunConfig:
     """Seed for every random number generator the run uses."""
     threads: int = 1
     """Torch intra-op CPU threads, set by the `stare-agent` command before it runs; 0 = torch's default (one per core).
-    1 by measurement on the tiny models (docs/benchmarks.md): 2 were up to 1.6x faster idle but 2-3.4x slower than 1
-    beside a busy process (their OpenMP threads spin-wait for a core the other process holds)."""
+    1 by default: more threads lose badly beside a busy process (measured in docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -444,8 +443,8 @@ class TaskDataConfig:
     rl_prompts: int = 1200
     """RL training problems (train split)."""
     test_problems: int = 128
-    """Evaluation problems (test split: never seen in SFT or RL). 128 x k = 4 gives an avg@k whose 95% interval
-    is about +-6 points; 32 gave +-11, more than 40 RL steps change it (docs/experiments.md)."""
+    """Evaluation problems (test split: never seen in SFT or RL); enough for an interval narrower than what RL
+    changes (sizes measured in docs/experiments.md)."""
     difficulty: list[int] = field(default_factory=lambda: [1, 2])
     families: list[str] = field(default_factory=list)
     """Task families (empty = all)."""
@@ -546,11 +545,10 @@ class ExperimentConfig(QuickstartConfig):
     stage: Literal["all", "prepare", "report"] = "all"
     """all: whatever is missing, then the report; prepare: data, model, SFT and its evaluation; report: only that."""
     results_dir: str = ""
-    """A folder (e.g. kept under version control) for a sweep spread over several machines or sessions: it
-    gets the data, the SFT model (no optimizer state) and each finished run's numbers (no checkpoints) as
-    they are made, and a command restores from it what its output folder lacks instead of making it again,
-    so new runs start from the same SFT weights as the kept ones. Its config.yaml must match the command's
-    as the output folder's must (run.output_dir and run.name may differ). Empty: none."""
+    """A folder outside the repository for a sweep spread over several machines or sessions: it gets the data,
+    the SFT model and each finished run's numbers as they are made, and a command restores what its output
+    folder lacks from it, so new runs start from the same SFT weights. Its config.yaml must match the command's
+    (run.output_dir and run.name may differ). Empty: none. Model weights are never committed to git."""
 
     def __post_init__(self) -> None:
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
