@@ -141,7 +141,8 @@ class ScriptedEngine:
         completion = NS(
             token_ids=out,
             text=self.tokenizer.decode(out),
-            logprobs=None,
+            # the sampled id's log-prob when asked (the executor always asks), as vLLM's logprobs=0 gives it
+            logprobs=None if sampling_params.logprobs is None else [{t: NS(logprob=-0.5)} for t in out],
             finish_reason=finish,
             stop_reason=stop_reason,
         )
