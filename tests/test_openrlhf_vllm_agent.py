@@ -234,7 +234,10 @@ def test_training_samples_from_the_real_engine(orl, actor, tiny_tokenizer, scrip
         assert sample.info["tool_calls"].item() == 1 and sample.info["finish_answer"].item() == 1
         assert sample.info["response_tokens"].item() == len(script.call) + len(turn_2)
         assert sample.info["tool_output_tokens"].item() == len(script.observation)
-        assert sample.truncated.item() is False and sample.rollout_log_probs is None
+        assert sample.truncated.item() is False
+        # the engine's log-probs of the sampled ids, asked for every turn (the forced model's are ~0), one per position
+        assert sample.rollout_log_probs.shape == sample.action_mask.shape
+        assert sample.rollout_log_probs[0].tolist() == pytest.approx([0.0] * sample.action_mask.shape[1], abs=1e-3)
     assert tiny_tokenizer.decode(script.call).endswith(protocol.CODE_CLOSE + "\n")
 
 
