@@ -1,10 +1,19 @@
-"""Process census helpers for the tests that check nothing outlives its owner (test_signals.py,
-sandbox/test_lifecycle.py): read from /proc, so they see processes of any parent."""
+"""Process helpers for the tests: a census of what outlives its owner (test_signals.py, sandbox/test_lifecycle.py),
+read from /proc so it sees processes of any parent; and the sandbox service as a subprocess on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace as NS
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _stat(pid: int) -> tuple[int, str, int] | None:
@@ -58,3 +67,42 @@ def processes_tied_to(path: Path) -> list[str]:
         if any(str(path) in text for text in texts):
             found.append(f"{entry}: {texts[0][:200]}")
     return found
+
+
+@contextlib.contextmanager
+def sandbox_service(pool_size: int) -> Iterator[NS]:
+    """`python -m sandbox serve` on a free loopback port, as a node would run it: NS(url, proc); stopped after."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandbox", "serve", "--port", str(port), "--pool-size", str(pool_size)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the sandbox service did not start"
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield NS(url=url, proc=proc)
+    finally:
+        stop_service(proc)
+
+
+def stop_service(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

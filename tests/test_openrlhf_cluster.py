@@ -21,16 +21,13 @@ vLLM's and DeepSpeed's sleep modes stay off (they move memory between a GPU and 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
 import torch
 import yaml
+from procs import sandbox_service
 from test_openrlhf_e2e import (
     SHIM,
     coin_model,
@@ -52,33 +49,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_the_stack]
 
 
 @pytest.fixture(scope="module")
-def sandbox_service():
+def sandbox_url():
     """`python -m sandbox serve` on loopback, as a CPU node would run it."""
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sandbox", "serve", "--port", str(port), "--pool-size", "2"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "the sandbox service did not start"
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with sandbox_service(pool_size=2) as service:
+        yield service.url
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +109,9 @@ def cluster_config(folder: Path, model: Path, sandbox_url: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster_run(coin_model, two_nodes, sandbox_service, tmp_path_factory):
+def cluster_run(coin_model, two_nodes, sandbox_url, tmp_path_factory):
     folder = tmp_path_factory.mktemp("openrlhf_cluster")
-    config = cluster_config(folder, coin_model, sandbox_service)
+    config = cluster_config(folder, coin_model, sandbox_url)
     result = run_cli(
         config, two_nodes.report, folder / "run.log", env={"RAY_ADDRESS": two_nodes.address},
         timeout_s=CLUSTER_RUN_TIMEOUT_S,

@@ -20,10 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace as NS
 
@@ -33,7 +29,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("openrlhf")
 ray = pytest.importorskip("ray")
 
-import httpx  # noqa: E402
+from procs import sandbox_service, stop_service  # noqa: E402
 from test_vllm_generation import chains_to_successors, write_forced_model  # noqa: E402
 
 from stare_agent import protocol  # noqa: E402
@@ -92,36 +88,8 @@ def orl():
 @pytest.fixture(scope="module")
 def sandbox_url(tmp_path_factory):
     """A real sandbox service in a subprocess (one warm kernel); stopped by the failure test or at the end."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sandbox", "serve", "--port", str(port), "--pool-size", "1"],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "the sandbox service did not start"
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    yield NS(url=url, proc=proc)
-    stop_service(proc)
-
-
-def stop_service(proc) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with sandbox_service(pool_size=1) as service:
+        yield service
 
 
 @pytest.fixture(scope="module")
