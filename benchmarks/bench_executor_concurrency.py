@@ -12,7 +12,7 @@ and called by keyword, as OpenRLHF 0.11.2's engine actor runs a step's episodes;
 model's, `stare_agent.models.build_tiny_model`); real Jupyter kernels, either
     in-process  the executor's own default client (sandbox.url empty): a kernel pool in this process, sized by
                 `episodes.concurrent_episodes(config)` (prompts_per_step x group_size = 512 in stateful mode); or
-    server      a real `python -m sandbox serve` on loopback (sandbox.url), sized by docs/sandbox.md's rule for
+    server      a real `python -m stare_sandbox serve` on loopback (sandbox.url), sized by docs/sandbox.md's rule for
                 its largest level L (--max-sessions L + 8, --max-kernels L + pool + 8, --max-waiting max(L, 64)),
 in stateful tool mode (a session, so a kernel, per episode) and stateless (a pooled kernel per call).
 
@@ -503,14 +503,14 @@ def markdown(report: dict) -> str:
         "generation scripted.",
     ]
     if report.get("server_flags"):
-        notes.append(f"Server: python -m sandbox serve {' '.join(report['server_flags'])}")
+        notes.append(f"Server: python -m stare_sandbox serve {' '.join(report['server_flags'])}")
     return "\n".join(lines + notes) + "\n"
 
 
 def machine_info() -> dict[str, Any]:
     import sympy
 
-    from sandbox.isolation import detect_isolation
+    from stare_sandbox.isolation import detect_isolation
 
     with open("/proc/meminfo") as f:
         total_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])

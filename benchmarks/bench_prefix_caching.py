@@ -15,7 +15,7 @@ calls it, with `llm_engine` a stand-in for that actor (RolloutRayActor): its `ge
 does (a TokensPrompt, a copy of the sampling params, the last RequestOutput of `AsyncLLMEngine.generate`) and
 also records each request's prompt length and cached tokens. The sampling params are the ones OpenRLHF builds
 (temperature 1, top-p 1). Tool calls run on real Jupyter kernels started by this process
-(sandbox.client.InProcessClient). Two `vllm.AsyncLLMEngine`s on the same model live side by side; each repeat
+(stare_sandbox.client.InProcessClient). Two `vllm.AsyncLLMEngine`s on the same model live side by side; each repeat
 runs the batch on both, in alternating order (on, off), (off, on), ..., so that drift in the machine's load is
 shared. Before each timed batch the engine's prefix cache is reset (as OpenRLHF does after every weight sync)
 and the kernel pool is left to settle.
@@ -389,12 +389,12 @@ async def bench_main(args: argparse.Namespace, out: Path) -> dict:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from sandbox.client import InProcessClient
-    from sandbox.kernels import PoolSettings
     from stare_agent import protocol
     from stare_agent.backends.openrlhf.episodes import ReToolExecutor
     from stare_agent.config import AgentConfig, RLConfig, RolloutConfig
     from stare_agent.data import load_benchmark
+    from stare_sandbox.client import InProcessClient
+    from stare_sandbox.kernels import PoolSettings
 
     source = smollm2_folder(args.model, out)
     tokenizer = AutoTokenizer.from_pretrained(source)

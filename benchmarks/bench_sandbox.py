@@ -1,6 +1,6 @@
 """Benchmark the sandbox service over HTTP against a fresh `python -c` subprocess per snippet.
 
-The real server (`python -m sandbox serve`) is started as a subprocess on a free loopback port with
+The real server (`python -m stare_sandbox serve`) is started as a subprocess on a free loopback port with
 the flags below, and stopped (with every process it started) when the script ends. Cases:
     session   `print(1+1)` in a warm stateful session, POST /v1/sessions/{id}/execute
               (one session per concurrent task, all created before timing);
@@ -66,8 +66,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from sandbox.client import KEEPALIVE_S, AsyncSandboxClient, SandboxUnavailable
-from sandbox.kernels import RESET_CODE, PoolSettings
+from stare_sandbox.client import KEEPALIVE_S, AsyncSandboxClient, SandboxUnavailable
+from stare_sandbox.kernels import RESET_CODE, PoolSettings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -601,10 +601,19 @@ def verdicts(results: list[Result]) -> list[str]:
     return lines
 
 
+def sandbox_package(repo: Path) -> tuple[Path, str]:
+    """Where `repo`'s sandbox package is imported from and its name: sandbox/stare_sandbox, or, in a checkout from
+    before that name, sandbox/ itself as `sandbox`, so that --compare-code also takes code from then."""
+    if (repo / "sandbox" / "stare_sandbox").is_dir():
+        return repo / "sandbox", "stare_sandbox"
+    return repo, "sandbox"
+
+
 def code_version(repo: Path = REPO) -> str:
-    """A short hash of sandbox/*.py, so that numbers can be tied to the code they measured."""
+    """A short hash of the sandbox package's *.py, so that numbers can be tied to the code they measured."""
+    where, name = sandbox_package(repo)
     digest = hashlib.sha256()
-    for path in sorted((repo / "sandbox").glob("*.py")):
+    for path in sorted((where / name).glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -620,14 +629,15 @@ def serve(
     config.write_text(json.dumps({"pool": pool}))  # JSON is YAML
     print(f"server config: {config.read_text()}")
     port = free_port()
-    cmd = [sys.executable, "-m", "sandbox", "serve", "--host=127.0.0.1", f"--port={port}", *flags]
+    where, package = sandbox_package(repo)
+    cmd = [sys.executable, "-m", package, "serve", "--host=127.0.0.1", f"--port={port}", *flags]
     cmd.append(f"--config={config}")
-    print("server: python -m sandbox serve " + " ".join(cmd[4:]), flush=True)
+    print(f"server: python -m {package} serve " + " ".join(cmd[4:]), flush=True)
     url = f"http://127.0.0.1:{port}"
     log_path = workdir / "server.log"
     with open(log_path, "w") as log:
-        # run from `repo`, so that `-m sandbox` is its package (the script's own, or --compare-code's)
-        proc = subprocess.Popen(cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT)
+        # run from the package's folder, so that `-m` finds `repo`'s (the script's own, or --compare-code's)
+        proc = subprocess.Popen(cmd, cwd=where, stdout=log, stderr=subprocess.STDOUT)
     left: list[int] = []
     try:
         deadline = time.monotonic() + 60
@@ -818,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the server
     t0 = time.perf_counter()
     version = code_version()
-    print(f"sandbox code: {version} (sha256 of sandbox/*.py)", flush=True)
+    print(f"sandbox code: {version} (sha256 of sandbox/stare_sandbox/*.py)", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-sandbox-"))
     try:
         results, http_out, flags, left = run_all(args, workdir)

@@ -1,6 +1,6 @@
 """Benchmark one client spreading calls over several sandbox servers, against the same load on one server.
 
-Starts --servers real servers (`python -m sandbox serve`, small pools) on free loopback ports, each with its
+Starts --servers real servers (`python -m stare_sandbox serve`, small pools) on free loopback ports, each with its
 own kernel directory, and stops them (with every process they started) at the end. Then, for each load, the
 same calls go through one AsyncSandboxClient made with server 0 alone ("1 server") and with the whole list
 ("N servers"), in the same run:
@@ -38,7 +38,7 @@ import numpy as np
 from bench_sandbox import cpu_snapshot, free_port, others_cpu_s, stop_server  # same directory: run as a script
 from prometheus_client.parser import text_string_to_metric_families
 
-from sandbox.client import AsyncSandboxClient, SandboxUnavailable
+from stare_sandbox.client import AsyncSandboxClient, SandboxUnavailable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -61,7 +61,7 @@ def servers(count: int, flags: list[str], workdir: Path) -> Iterator[list[str]]:
             config.write_text(json.dumps({"pool": {"scratch_root": str(root / "kernels")}}))  # JSON is YAML
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
-            cmd = [sys.executable, "-m", "sandbox", "serve", f"--port={port}", f"--config={config}", *flags]
+            cmd = [sys.executable, "-m", "stare_sandbox", "serve", f"--port={port}", f"--config={config}", *flags]
             with open(root / "server.log", "w") as log:
                 proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
             started.append((proc, root))

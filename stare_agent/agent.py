@@ -25,11 +25,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from sandbox.client import SandboxUnavailable, SessionNotFound
-from sandbox.schemas import RunResult, Status
 from stare_agent import protocol
 from stare_agent.data import Problem
 from stare_agent.reward import extract_answer, score
+from stare_sandbox.client import SandboxUnavailable, SessionNotFound
+from stare_sandbox.schemas import RunResult, Status
 
 GenerationEnd = Literal["stop", "eos", "length"]
 """Why one generation call ended: a stop string, the EOS token, or max_new_tokens."""

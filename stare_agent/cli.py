@@ -18,7 +18,6 @@ from typing import Any
 
 import yaml
 
-from sandbox.configfile import fields_of
 from stare_agent.config import (
     ConfigError,
     EvalConfig,
@@ -31,6 +30,7 @@ from stare_agent.config import (
     to_dict,
 )
 from stare_agent.data import DataError
+from stare_sandbox.configfile import fields_of
 
 # Commands that take a config: name -> (root config class, module whose run(config) executes it).
 COMMANDS: dict[str, tuple[type, str]] = {
@@ -163,7 +163,7 @@ def _fraction(text: str) -> float:
 
 
 def _url(text: str) -> str:
-    from sandbox.client import check_url
+    from stare_sandbox.client import check_url
 
     try:
         return check_url(text)
@@ -194,8 +194,8 @@ def _data(args: argparse.Namespace) -> int:
     if args.data_command == "make-tasks":
         rows = [{"id": p.id, "problem": p.problem, "answer": p.answer, "meta": p.meta} for p in problems]
     else:
-        from sandbox.client import AsyncSandboxClient, InProcessClient
-        from sandbox.kernels import PoolSettings
+        from stare_sandbox.client import AsyncSandboxClient, InProcessClient
+        from stare_sandbox.kernels import PoolSettings
 
         async def make() -> list[dict]:
             if args.sandbox_url:
@@ -310,8 +310,8 @@ def _stop_on_signals() -> Iterator[list[int]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "sandbox":  # the service parses its own options (python -m sandbox ...)
-        from sandbox.__main__ import main as sandbox_main
+    if argv and argv[0] == "sandbox":  # the service parses its own options (python -m stare_sandbox ...)
+        from stare_sandbox.__main__ import main as sandbox_main
 
         return sandbox_main(argv[1:], prog="stare-agent sandbox")
     parser = build_parser()
@@ -343,8 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _expected_failure(exc: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) for a failure that is the input's or the environment's, not a bug."""
-    from sandbox.client import SandboxUnavailable
     from stare_agent.batching import NoStepTrained, SandboxFailures
+    from stare_sandbox.client import SandboxUnavailable
 
     if isinstance(exc, (ConfigError, DataError)):
         return 2, str(exc)

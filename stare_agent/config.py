@@ -1,6 +1,6 @@
 """Configs: one root dataclass per command, loaded from YAML and `section.key=value` overrides.
 
-Loading and validation are `sandbox.configfile.load_config` (shared with the sandbox service): a value
+Loading and validation are `stare_sandbox.configfile.load_config` (shared with the sandbox service): a value
 comes from an override, else the YAML file, else the root dataclass's default, and a key changes
 exactly that key (the quickstart's `sft.epochs=3` keeps every other quickstart `sft` value). Each
 default is written once, on its field; each dataclass's `__post_init__` checks ranges.
@@ -17,10 +17,10 @@ from typing import Any, ClassVar, Literal, Union
 
 import yaml
 
-from sandbox.client import check_url, check_urls
-from sandbox.configfile import ConfigError, load_config
 from stare_agent.agent import AgentConfig
 from stare_agent.stare import StareConfig
+from stare_sandbox.client import check_url, check_urls
+from stare_sandbox.configfile import ConfigError, load_config
 
 __all__ = [
     "AgentConfig",

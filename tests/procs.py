@@ -71,14 +71,14 @@ def processes_tied_to(path: Path) -> list[str]:
 
 @contextlib.contextmanager
 def sandbox_service(pool_size: int) -> Iterator[NS]:
-    """`python -m sandbox serve` on a free loopback port, as a node would run it: NS(url, proc); stopped after."""
+    """`python -m stare_sandbox serve` on a free loopback port, as a node runs it: NS(url, proc); stopped after."""
     import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sandbox", "serve", "--port", str(port), "--pool-size", str(pool_size)],
+        [sys.executable, "-m", "stare_sandbox", "serve", "--port", str(port), "--pool-size", str(pool_size)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -51,7 +51,7 @@ def test_a_fresh_clone_passes_its_data_tests_on_its_own_benchmarks(tmp_path):
     assert (clone / "data" / "benchmarks" / "math500.json").is_file(), "the benchmark files are not committed"
 
     env = {k: v for k, v in os.environ.items() if k != "STARE_BENCHMARKS_DIR"}
-    env["PYTHONPATH"] = str(clone)
+    env["PYTHONPATH"] = os.pathsep.join([str(clone), str(clone / "sandbox")])  # stare_sandbox: the clone's too
     env["PYTHONDONTWRITEBYTECODE"] = "1"
 
     probe = subprocess.run(

@@ -13,10 +13,10 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from sandbox.schemas import RunResult
 from stare_agent import protocol
 from stare_agent.backends.openrlhf.episodes import ReToolExecutor
 from stare_agent.config import AgentConfig, RLConfig, RolloutConfig
+from stare_sandbox.schemas import RunResult
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

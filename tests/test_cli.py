@@ -139,7 +139,7 @@ def test_a_wrong_sandbox_token_is_one_line_before_any_work(tmp_path):
     port = free_port()
     env = {**os.environ, "SANDBOX_TOKEN": "right"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "sandbox", "serve", "--port", str(port), "--pool-size", "0"],
+        [sys.executable, "-m", "stare_sandbox", "serve", "--port", str(port), "--pool-size", "0"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

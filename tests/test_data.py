@@ -135,8 +135,8 @@ def test_sft_ids_equal_the_rl_episode_ids(tiny_tokenizer):
     """A transcript of an episode tokenizes to the episode's own ids (plus the trained EOS)."""
     import asyncio
 
-    from sandbox.client import InProcessClient
     from stare_agent.agent import AgentConfig, Sample, run_episode
+    from stare_sandbox.client import InProcessClient
 
     turns = [TRANSCRIPT[: TRANSCRIPT.index("</code>") + 7], TRANSCRIPT[TRANSCRIPT.index("The program") :]]
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "stare_agent"
+SANDBOX = PACKAGE.parent / "sandbox" / "stare_sandbox"
 MATH_MODULES = ["stare.py", "theory.py", "loss.py"]
 MATH_ALLOWED = {"torch", "math", "typing", "dataclasses", "fractions", "collections", "__future__"}
 SHARED_MODULES = [
@@ -62,7 +63,7 @@ def test_only_the_openrlhf_backend_imports_the_cluster_stack():
         "vllm": {"stare_agent/backends/local/vllm_generation.py"},
     }
     offenders = []
-    for path in sorted([*PACKAGE.rglob("*.py"), *(root / "sandbox").rglob("*.py")]):
+    for path in sorted([*PACKAGE.rglob("*.py"), *SANDBOX.rglob("*.py")]):
         rel = path.relative_to(root).as_posix()
         if rel.startswith("stare_agent/backends/openrlhf/"):
             continue
@@ -70,6 +71,22 @@ def test_only_the_openrlhf_backend_imports_the_cluster_stack():
             if rel not in allowed[name]:
                 offenders.append(f"{rel} imports {name}")
     assert offenders == []
+
+
+def test_the_sandbox_never_imports_stare_agent():
+    """The sandbox is deployable on its own (sandbox/pyproject.toml): no import of it, in any module of the
+    package, also inside a function, and importing every module loads none."""
+    offenders = [
+        f"{path.name} imports stare_agent" for path in SANDBOX.rglob("*.py") if "stare_agent" in imported_roots(path)
+    ]
+    assert offenders == []
+    modules = sorted(path.stem for path in SANDBOX.glob("*.py") if path.stem not in ("__init__", "__main__"))
+    code = (
+        f"import sys\nfor name in {modules!r}:\n    __import__('stare_sandbox.' + name)\n"
+        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] == 'stare_agent')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -31,12 +31,12 @@ import pytest
 import torch
 
 import stare_agent.agent
-from sandbox.client import AsyncSandboxClient, InProcessClient
-from sandbox.kernels import PoolSettings
 from stare_agent import protocol
 from stare_agent.backends.openrlhf import episodes
 from stare_agent.backends.openrlhf.episodes import CONFIG_ENV, EXTRA_LOGS, ReToolExecutor, config_env, config_from_env
 from stare_agent.config import AgentConfig, ConfigError, RLConfig, RolloutConfig, SandboxConfig
+from stare_sandbox.client import AsyncSandboxClient, InProcessClient
+from stare_sandbox.kernels import PoolSettings
 
 PROBLEM = "What is 2**100 mod 7, plus 1?"
 CALL_1 = "First the power.\n<code>\n```python\nx = pow(2, 100, 7)\nprint(x)\n```\n</code>"

@@ -50,7 +50,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_the_stack]
 
 @pytest.fixture(scope="module")
 def sandbox_url():
-    """`python -m sandbox serve` on loopback, as a CPU node would run it."""
+    """`python -m stare_sandbox serve` on loopback, as a CPU node would run it."""
     with sandbox_service(pool_size=2) as service:
         yield service.url
 

@@ -10,7 +10,7 @@ The model is the forced copy of the tiny Qwen2 (test_vllm_generation.write_force
 id it writes a tool call whose last id holds `</code>` and a newline, and after the observation (which ends with
 that same id) the answer and EOS. So every id vLLM returns is known in advance, and the checks are exact.
 
-The sandbox is a real `python -m sandbox serve` (sandbox.url): the failure test stops it, a real infrastructure
+The sandbox is a real `python -m stare_sandbox serve` (sandbox.url): the failure test stops it, a real infrastructure
 failure in the middle of a run. Tests that need another agent config (turn cap, tool limit) set it on the
 executor inside the actor with Ray's `__ray_call__`, rather than starting another engine (~30 s each).
 Skipped where vllm, openrlhf or ray is missing (the project's venv); ./dev.sh test runs it in .venv-openrlhf.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sandbox.schemas import ErrorInfo, RunResult
 from stare_agent import protocol
 from stare_agent.protocol import Segment, observation, parse_tool_call, split_transcript, tool_output, truncate
+from stare_sandbox.schemas import ErrorInfo, RunResult
 
 FENCED = "<code>\n```python\nx = 2**10\nprint(x)\n```\n</code>"
 

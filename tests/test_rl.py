@@ -363,8 +363,8 @@ def test_dynamic_sampling_drops_equal_and_sandbox_groups_and_refills(
     policy = made[0]
 
     async def rollouts():
-        from sandbox.client import InProcessClient
-        from sandbox.kernels import PoolSettings
+        from stare_sandbox.client import InProcessClient
+        from stare_sandbox.kernels import PoolSettings
 
         async with InProcessClient(PoolSettings(pool_size=1, max_kernels=16)) as client:
             return await trainer.rollouts(rl.TimedClient(client))

@@ -128,11 +128,11 @@ def test_exhausted_family_says_so():
 def test_sft_transcripts_hold_real_sandbox_output():
     import asyncio
 
-    from sandbox.client import InProcessClient
-    from sandbox.kernels import PoolSettings
     from stare_agent import protocol
     from stare_agent.reward import score
     from stare_agent.tasks import make_sft_rows
+    from stare_sandbox.client import InProcessClient
+    from stare_sandbox.kernels import PoolSettings
 
     problems = generate_tasks(len(FAMILIES), seed=3, difficulty=2)
 
@@ -159,11 +159,11 @@ def test_sft_transcripts_hold_real_sandbox_output():
 def test_mixed_style_transcripts_use_every_style_and_one_style_keeps_the_usual_program():
     import asyncio
 
-    from sandbox.client import InProcessClient
-    from sandbox.kernels import PoolSettings
     from stare_agent import protocol
     from stare_agent.reward import score
     from stare_agent.tasks import make_sft_rows
+    from stare_sandbox.client import InProcessClient
+    from stare_sandbox.kernels import PoolSettings
 
     problems = generate_tasks(24, seed=5, families=["gcd"], difficulty=2)
 

@@ -20,14 +20,14 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from sandbox.client import InProcessClient  # noqa: E402
-from sandbox.kernels import PoolSettings  # noqa: E402
 from stare_agent import protocol  # noqa: E402
 from stare_agent.agent import AgentConfig, run_batch  # noqa: E402
 from stare_agent.backends.local.generation import HFGenerator, nucleus_filter  # noqa: E402
 from stare_agent.backends.local.vllm_generation import VLLMGenerator, available  # noqa: E402
 from stare_agent.data import Problem  # noqa: E402
 from stare_agent.protocol import CODE_CLOSE, encode_segment  # noqa: E402
+from stare_sandbox.client import InProcessClient  # noqa: E402
+from stare_sandbox.kernels import PoolSettings  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine; plenty for the tiny model
 

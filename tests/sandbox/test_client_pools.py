@@ -1,4 +1,4 @@
-"""The HTTP clients split each server's connections over small httpx pools (sandbox.client.POOL_CONNECTIONS).
+"""The HTTP clients split each server's connections over small httpx pools (stare_sandbox.client.POOL_CONNECTIONS).
 
 The server here is a real uvicorn server on loopback, a stand-in for the sandbox that counts the requests it is
 serving at once and holds each for a moment, so what is checked is what reaches a server: never more
@@ -20,8 +20,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-import sandbox.client as client_module
-from sandbox.client import AsyncSandboxClient, SandboxClient, _Pools
+import stare_sandbox.client as client_module
+from stare_sandbox.client import AsyncSandboxClient, SandboxClient, _Pools
 
 HOLD_S = 0.3
 

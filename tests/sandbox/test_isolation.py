@@ -1,7 +1,7 @@
-"""Kernel isolation with real processes and real Jupyter kernels (sandbox.isolation, sandbox.launch).
+"""Kernel isolation with real processes and real Jupyter kernels (stare_sandbox.isolation, stare_sandbox.launch).
 
 Namespace tests need root and util-linux `unshare`; they are skipped elsewhere. Kernel uids are just
-below UID_BASE, outside every pool's uid range (sandbox.ownership), so they never meet the kernels of a
+below UID_BASE, outside every pool's uid range (stare_sandbox.ownership), so they never meet the kernels of a
 sandbox server running on the same machine, nor get killed by one reclaiming its range.
 
 The caps per call (CPU seconds, memory of all a kernel's processes, scratch quota) are tested through a
@@ -33,7 +33,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.kernelspec import KernelSpecManager
 from procs import cmdline  # tests/procs.py
 
-from sandbox.isolation import (
+from stare_sandbox.isolation import (
     UID_BASE,
     Isolation,
     Limits,
@@ -48,7 +48,7 @@ from sandbox.isolation import (
     scratch_prefix,
     usable_cgroups,
 )
-from sandbox.kernels import KernelPool, PoolSettings, SessionStore, run_stateless
+from stare_sandbox.kernels import KernelPool, PoolSettings, SessionStore, run_stateless
 
 SECRET = "STARE_SECRET_TOKEN"
 TEST_LIMITS = Limits(memory_mb=2048, processes=48, file_size_mb=8, open_files=200)
@@ -60,7 +60,7 @@ TERM_UID = UID_BASE - 12
 def namespaces_or_skip() -> Isolation:
     isolation = detect_isolation("auto")
     if isolation.mode != "namespaces":
-        from sandbox.isolation import _namespace_problem
+        from stare_sandbox.isolation import _namespace_problem
 
         pytest.skip(f"namespace isolation is not available here: {_namespace_problem()}")
     return isolation
@@ -217,7 +217,7 @@ def test_detect_isolation_rejects_unknown_mode():
 
 
 def test_namespaces_need_root(monkeypatch):
-    from sandbox.isolation import _namespace_problem
+    from stare_sandbox.isolation import _namespace_problem
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     _namespace_problem.cache_clear()
@@ -254,8 +254,8 @@ def test_process_isolation_reports_only_what_it_enforces():
 
 def test_kernel_argv_has_one_connection_file_placeholder():
     process = kernel_argv(detect_isolation("process"), Limits(), uid=None)
-    launch = process.index("sandbox.launch") - 2  # after the parent-death prefix (_PDEATHSIG_EXEC)
-    assert process[launch : launch + 3] == [sys.executable, "-m", "sandbox.launch"]
+    launch = process.index("stare_sandbox.launch") - 2  # after the parent-death prefix (_PDEATHSIG_EXEC)
+    assert process[launch : launch + 3] == [sys.executable, "-m", "stare_sandbox.launch"]
     assert process[:launch] == _die_with_parent(sys.executable) != []
     assert process.count("{connection_file}") == 1 and process[-2:] == ["--", "{connection_file}"]
     namespaces = Isolation("namespaces", True, True, True, True, True, True, True)
@@ -528,7 +528,7 @@ def caps_case_or_skip(isolation: str, cgroups: bool) -> None:
     if isolation == "namespaces":
         namespaces_or_skip()
     if cgroups and usable_cgroups() is None:
-        from sandbox.isolation import cgroup_problem
+        from stare_sandbox.isolation import cgroup_problem
 
         pytest.skip(f"cgroups are not usable here: {cgroup_problem()}")
 

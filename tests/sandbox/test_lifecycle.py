@@ -23,12 +23,12 @@ import httpx
 import pytest
 from procs import _stat, alive, cmdline, descendants, processes_tied_to  # tests/procs.py
 
-import sandbox.isolation as isolation
-import sandbox.kernels as kernels
-from sandbox.client import InProcessClient, SandboxClient, SandboxUnavailable
-from sandbox.isolation import _PDEATHSIG_EXEC, Limits, detect_isolation
-from sandbox.kernels import KernelPool, KernelsBusy, PoolSettings, SandboxError, run_stateless
-from sandbox.schemas import RunResult
+import stare_sandbox.isolation as isolation
+import stare_sandbox.kernels as kernels
+from stare_sandbox.client import InProcessClient, SandboxClient, SandboxUnavailable
+from stare_sandbox.isolation import _PDEATHSIG_EXEC, Limits, detect_isolation
+from stare_sandbox.kernels import KernelPool, KernelsBusy, PoolSettings, SandboxError, run_stateless
+from stare_sandbox.schemas import RunResult
 
 REPO = Path(__file__).resolve().parents[2]
 DEATH_S = 5.0  # how long a kernel may take to die after its owner (measured: well under 0.1 s)
@@ -61,7 +61,7 @@ def isolation_or_skip(mode: str) -> str:
 # Starts `prefix + a sleeping python` the way jupyter_client starts a kernel, prints its pid, waits to be killed.
 PREFIX_OWNER = """
 import subprocess, sys, time
-import sandbox.isolation as isolation
+import stare_sandbox.isolation as isolation
 sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
 child = subprocess.Popen([*isolation._die_with_parent(sys.executable), *sleeper], start_new_session=True)
 print(child.pid, flush=True)
@@ -108,8 +108,8 @@ def test_python_prefix_refuses_to_run_for_a_parent_that_is_gone():
 POOL_OWNER = """
 import asyncio, sys
 from pathlib import Path
-from sandbox.client import InProcessClient
-from sandbox.kernels import PoolSettings
+from stare_sandbox.client import InProcessClient
+from stare_sandbox.kernels import PoolSettings
 
 async def main(root: Path, isolation: str, ready: Path) -> None:
     # pool_size 3: the kernel lent to the running call counts towards it (it comes back), so 2 stay ready
@@ -237,7 +237,7 @@ def test_a_pool_never_started_leaves_nothing(private_tmp):
 # it cancels the tasks: close() never finishes, and only the exit-time fallback can remove the scratch dirs.
 ABANDONED_OWNER = """
 import asyncio
-from sandbox.kernels import KernelPool, PoolSettings, run_stateless
+from stare_sandbox.kernels import KernelPool, PoolSettings, run_stateless
 
 async def main() -> None:
     pool = KernelPool(PoolSettings(pool_size=2, max_kernels=4))
@@ -309,7 +309,7 @@ def test_kernels_run_without_a_heartbeat_thread():
 def test_a_cancellation_that_arrives_as_the_awaited_work_finishes_is_not_lost():
     """A signal stops the command even when it lands in the loop turn in which a kernel became ready: Python
     3.11's wait_for would return the kernel and drop the cancellation. What was taken is handed back first."""
-    from sandbox.kernels import _wait_for
+    from stare_sandbox.kernels import _wait_for
 
     async def go() -> tuple[bool, list[int]]:
         ready = asyncio.get_running_loop().create_future()

@@ -1,4 +1,4 @@
-"""One client, several sandbox servers: real `python -m sandbox serve` processes on loopback, real kernels.
+"""One client, several sandbox servers: real `python -m stare_sandbox serve` processes on loopback, real kernels.
 
 What each server did is read from the server itself (/metrics run counters, /healthz session counts),
 not from the client's own bookkeeping. Servers are small (one warm kernel each): the machine has 2 cores.
@@ -15,8 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sandbox.client import AsyncSandboxClient, SandboxClient, SandboxUnavailable, SessionNotFound, check_urls
-from sandbox.schemas import RunResult
+from stare_sandbox.client import AsyncSandboxClient, SandboxClient, SandboxUnavailable, SessionNotFound, check_urls
+from stare_sandbox.schemas import RunResult
 
 from .test_service import Server, free_port, processes_mentioning
 

@@ -1,6 +1,6 @@
-"""Kernel uid ranges and recovery after a server killed without its clean-up (sandbox.ownership).
+"""Kernel uid ranges and recovery after a server killed without its clean-up (stare_sandbox.ownership).
 
-Real servers (`python -m sandbox serve` on a free loopback port), real kernels, real SIGKILL. A server's
+Real servers (`python -m stare_sandbox serve` on a free loopback port), real kernels, real SIGKILL. A server's
 range is read from the lock file it holds (its record names its pid). The servers' temp dir is the test's
 own, so the scratch root a server makes lies there; range locks stay in the host's state dir, shared with
 every other sandbox on the machine, as in production: tests never assume which range is free.
@@ -27,9 +27,9 @@ import httpx
 import pytest
 from procs import _stat, alive, descendants  # tests/procs.py
 
-import sandbox.ownership as ownership
-from sandbox.isolation import UID_BASE, detect_isolation, make_scratch, range_group, usable_cgroups
-from sandbox.ownership import (
+import stare_sandbox.ownership as ownership
+from stare_sandbox.isolation import UID_BASE, detect_isolation, make_scratch, range_group, usable_cgroups
+from stare_sandbox.ownership import (
     AUTO_UID_BASES,
     RANGE_SIZE,
     RangeTaken,
@@ -52,12 +52,12 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m sandbox serve` with a small pool, in a subprocess whose temp dir is `tmp`."""
+    """`python -m stare_sandbox serve` with a small pool, in a subprocess whose temp dir is `tmp`."""
 
     def __init__(self, tmp: Path, *args: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "sandbox", "serve", "--port", str(self.port), "--pool-size", "1"]
+        argv = [sys.executable, "-m", "stare_sandbox", "serve", "--port", str(self.port), "--pool-size", "1"]
         argv += ["--max-kernels", "8", "--max-sessions", "8", *args]
         tmp.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "TMPDIR": str(tmp)}
@@ -187,7 +187,7 @@ def test_the_state_dir_falls_back_to_the_temp_dir_and_may_be_named(tmp_path, mon
 
 def test_an_unusable_state_dir_stops_the_server_with_one_line():
     env = {**os.environ, "SANDBOX_STATE_DIR": "/dev/null/state"}
-    argv = [sys.executable, "-m", "sandbox", "serve", "--port", str(free_port())]
+    argv = [sys.executable, "-m", "stare_sandbox", "serve", "--port", str(free_port())]
     # the timeout only ends a server that started after all
     out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=START_S)
     assert out.returncode != 0 and "Traceback" not in out.stderr
@@ -251,7 +251,7 @@ def test_two_servers_get_disjoint_ranges_and_a_held_range_is_refused(short_tmp):
         if detect_isolation("auto").unprivileged_user:
             assert uid_a in range(first_a, first_a + 8) and uid_b in range(first_b, first_b + 8)
         refused = subprocess.run(
-            [sys.executable, "-m", "sandbox", "serve", "--port", str(free_port()), "--uid-base", str(first_a)],
+            [sys.executable, "-m", "stare_sandbox", "serve", "--port", str(free_port()), "--uid-base", str(first_a)],
             cwd=REPO,
             env={**os.environ, "TMPDIR": str(short_tmp)},
             capture_output=True,

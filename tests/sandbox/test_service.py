@@ -17,9 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sandbox.app import ServerSettings, open_files_needed
-from sandbox.client import AsyncSandboxClient, InProcessClient, SandboxClient, SandboxUnavailable, SessionNotFound
-from sandbox.kernels import PoolSettings
+from stare_sandbox.app import ServerSettings, open_files_needed
+from stare_sandbox.client import (
+    AsyncSandboxClient,
+    InProcessClient,
+    SandboxClient,
+    SandboxUnavailable,
+    SessionNotFound,
+)
+from stare_sandbox.kernels import PoolSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +37,7 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m sandbox serve` in a subprocess; stop() waits for it to exit."""
+    """`python -m stare_sandbox serve` in a subprocess; stop() waits for it to exit."""
 
     def __init__(
         self,
@@ -49,7 +55,7 @@ class Server:
 
     def start(self, wait: bool = True) -> Server:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sandbox", "serve", *self.args],
+            [sys.executable, "-m", "stare_sandbox", "serve", *self.args],
             cwd=REPO,
             env=self.env,
             stdout=subprocess.DEVNULL,
@@ -319,7 +325,7 @@ def test_metrics_endpoint(server: Server):
 
 def test_token_required_off_loopback_and_checked():
     refused = subprocess.run(
-        [sys.executable, "-m", "sandbox", "serve", "--host", "0.0.0.0", "--port", str(free_port())],
+        [sys.executable, "-m", "stare_sandbox", "serve", "--host", "0.0.0.0", "--port", str(free_port())],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -346,7 +352,7 @@ def test_token_required_off_loopback_and_checked():
 
 def test_require_isolation_refuses_without_it():
     out = subprocess.run(
-        [sys.executable, "-m", "sandbox", "serve", "--port", str(free_port()), "--isolation", "process"]
+        [sys.executable, "-m", "stare_sandbox", "serve", "--port", str(free_port()), "--isolation", "process"]
         + ["--require-isolation"],
         cwd=REPO,
         capture_output=True,
@@ -378,7 +384,7 @@ def test_the_open_files_limit_is_raised_at_start_or_the_server_refuses_kernels_t
     def hard_limit_256() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
-    argv = [sys.executable, "-m", "sandbox", "serve", "--port", str(free_port())]
+    argv = [sys.executable, "-m", "stare_sandbox", "serve", "--port", str(free_port())]
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, preexec_fn=hard_limit_256)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.startswith(f"sandbox: the server may need {needed} open files") and "--max-kernels" in out.stderr

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sandbox.__main__ import CONFIG_EXAMPLE, build_parser, load_settings
-from sandbox.app import ServerSettings
+from stare_sandbox.__main__ import CONFIG_EXAMPLE, build_parser, load_settings
+from stare_sandbox.app import ServerSettings
 
 
 def settings(tmp_path, text: str | None, *flags: str):

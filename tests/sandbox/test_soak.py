@@ -29,14 +29,14 @@ import httpx
 import pytest
 from procs import _stat, cmdline, descendants, processes_tied_to  # tests/procs.py
 
-from sandbox.client import AsyncSandboxClient
-from sandbox.schemas import RunResult
+from stare_sandbox.client import AsyncSandboxClient
+from stare_sandbox.schemas import RunResult
 
 from .test_multiserver import health, wait_healthy
 from .test_service import Server
 
 # Slow, and in the default run (CI). It failed about one run in five until the clients had one connection pool per
-# server (sandbox/client.py, SandboxClient.__init__): a shared pool lost a session creation after sending it.
+# server (stare_sandbox/client.py, SandboxClient.__init__): a shared pool lost a session creation after sending it.
 pytestmark = pytest.mark.slow
 
 SESSIONS = 256

@@ -38,11 +38,11 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sandbox.client import SandboxUnavailable
 from stare_agent import protocol
 from stare_agent.agent import EpisodeResult, Sample, ToolClient, completion_sample, run_episode, score_problem
 from stare_agent.config import ConfigError, RLConfig, load_config, to_dict
 from stare_agent.data import Problem
+from stare_sandbox.client import SandboxUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox.isolation import (
+from stare_sandbox.isolation import (
     UID_BASE,
     UID_RANGE_SIZE,
     Cgroups,

@@ -1,4 +1,4 @@
-"""Kernel launcher: `python -m sandbox.launch [flags] -- CONNECTION_FILE` (argv from isolation.kernel_argv).
+"""Kernel launcher: `python -m stare_sandbox.launch [flags] -- CONNECTION_FILE` (argv from isolation.kernel_argv).
 
 Sets the fences up, then runs `python -m ipykernel_launcher -f CONNECTION_FILE`. The scratch dir is the
 connection file's directory. In namespace mode it runs as root inside the new namespaces made by
@@ -32,7 +32,7 @@ death ends the namespace: nothing survives a server that is SIGKILLed or crashes
 signal survives the exec into the kernel, which dies at once (ipykernel's parent poller, given the
 server's pid, would end it within a second too); processes the kernel started may outlive it, and the
 scratch dirs and cgroups of such a server stay behind, until the next owner of its uid range ends and
-removes them (sandbox.ownership).
+removes them (stare_sandbox.ownership).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sandbox.isolation import KernelCgroup, find_cgroups, kernel_env, sweep_cgroups
+from stare_sandbox.isolation import KernelCgroup, find_cgroups, kernel_env, sweep_cgroups
 
 # <sys/mount.h>, <sched.h>, <sys/prctl.h>
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     connection_file = Path(args.connection_file).absolute()
     scratch = connection_file.parent
     if not scratch.is_dir():
-        raise SystemExit(f"sandbox.launch: the connection file's directory {scratch} does not exist")
+        raise SystemExit(f"stare_sandbox.launch: the connection file's directory {scratch} does not exist")
     if args.cgroup_group is not None:  # first: also what the remount below would make read-only
         _step("put the kernel in its own cgroup", _join_cgroup, scratch, args.cgroup_group, args.cgroup_memory_mb)
     if args.readonly_root:
@@ -134,7 +134,7 @@ def _init(connection_file: Path, env: dict[str, str]) -> int:
         try:
             os.execve(sys.executable, _kernel_argv(connection_file, parent=1), env)
         except OSError as e:
-            print(f"sandbox.launch: cannot start the kernel {sys.executable}: {e}", file=sys.stderr, flush=True)
+            print(f"stare_sandbox.launch: cannot start the kernel {sys.executable}: {e}", file=sys.stderr, flush=True)
         os._exit(127)
     os.execve(sys.executable, [sys.executable, "-I", "-S", "-c", _INIT, str(kernel)], env)
     return 1  # not reached
@@ -152,7 +152,7 @@ while True:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sandbox.launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m stare_sandbox.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--memory-mb", type=int, required=True, help="RLIMIT_AS in MiB")
     parser.add_argument("--processes", type=int, required=True, help="RLIMIT_NPROC")
     parser.add_argument("--file-size-mb", type=int, required=True, help="RLIMIT_FSIZE in MiB")
@@ -172,7 +172,7 @@ def _step(what: str, func, *args) -> None:
     try:
         func(*args)
     except OSError as e:
-        raise SystemExit(f"sandbox.launch: cannot {what}: {e}") from e
+        raise SystemExit(f"stare_sandbox.launch: cannot {what}: {e}") from e
 
 
 # --- file system -------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Jupyter kernels for model-written code: a warm pool, stateful sessions and stateless runs.
 
-Every kernel runs in its own scratch directory, under the isolation of `sandbox.isolation`, with
+Every kernel runs in its own scratch directory, under the isolation of `stare_sandbox.isolation`, with
 numpy and sympy imported before it is handed out. A stateful session keeps one kernel (variables
 persist across calls). A stateless run takes a pooled kernel, runs the code, then wipes the
 kernel's namespace and scratch directory (`%reset`) before the kernel serves another run; a kernel
@@ -39,7 +39,7 @@ import zmq.asyncio
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
-from sandbox.isolation import (
+from stare_sandbox.isolation import (
     UID_BASE,
     UID_RANGE_SIZE,
     Cgroups,
@@ -61,8 +61,8 @@ from sandbox.isolation import (
     sweep_cgroups,
     usable_cgroups,
 )
-from sandbox.ownership import Owner, check_uid_base, claim_uid_range
-from sandbox.schemas import ErrorInfo, RunResult
+from stare_sandbox.ownership import Owner, check_uid_base, claim_uid_range
+from stare_sandbox.schemas import ErrorInfo, RunResult
 
 log = logging.getLogger("sandbox")
 T = TypeVar("T")
@@ -134,8 +134,8 @@ class PoolSettings:
     warmup_code: str = "import math\nimport numpy as np\nimport sympy as sp\n"
     """Run in every new kernel before it is handed out."""
     uid_base: int = 0
-    """First uid of the kernel uid range this pool holds exclusively on the host (sandbox.ownership): 61000, 62000,
-    ... 99000 (not 65000); 0 = the first range no other pool holds. A range another pool holds is refused."""
+    """First uid of the kernel uid range this pool holds exclusively on the host (stare_sandbox.ownership): 61000,
+    62000, ... 99000 (not 65000); 0 = the first range no other pool holds. A range another pool holds is refused."""
     cgroups: bool = True
     """Put each kernel in its own cgroup where cgroups work (memory cap for all its processes, their CPU time
     counted together); False = rlimits only."""

@@ -9,7 +9,7 @@ that inside the kernel; a non-zero exit status comes back as the one error the d
 
 from __future__ import annotations
 
-from sandbox.schemas import CommandRunResult, ErrorInfo, RunCodeRequest, RunCodeResponse, RunResult
+from stare_sandbox.schemas import CommandRunResult, ErrorInfo, RunCodeRequest, RunCodeResponse, RunResult
 
 EXIT_ERROR = "_RunCodeExit"
 """The one error the driver raises, with the exit status as its message."""

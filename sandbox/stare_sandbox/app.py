@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from sandbox import sandboxfusion
-from sandbox.kernels import (
+from stare_sandbox import sandboxfusion
+from stare_sandbox.kernels import (
     KernelPool,
     KernelsBusy,
     PoolSettings,
@@ -33,7 +33,7 @@ from sandbox.kernels import (
     call_timeout,
     run_stateless,
 )
-from sandbox.schemas import (
+from stare_sandbox.schemas import (
     ErrorResponse,
     ExecuteRequest,
     RunCodeRequest,
@@ -340,7 +340,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         timeout = timeout_of(body)
         return await run("stateless", lambda wait_s: run_stateless(pool, body.code, timeout[0], wait_s), timeout)
 
-    # SandboxFusion's API (sandbox/sandboxfusion.py), for stacks that call it, e.g. verl's ReTool recipe
+    # SandboxFusion's API (sandboxfusion.py), for stacks that call it, e.g. verl's ReTool recipe
     @app.post("/run_code", response_model=RunCodeResponse, responses={k: v for k, v in ERRORS.items() if k != 404})
     async def run_code(body: RunCodeRequest) -> RunCodeResponse:
         timeout = timeout_of(ExecuteRequest(code=body.code, timeout_s=body.run_timeout))

@@ -1,4 +1,4 @@
-"""`python -m sandbox serve [--host H] [--port P] [--token T] [--config FILE] [options]`.
+"""`python -m stare_sandbox serve [--host H] [--port P] [--token T] [--config FILE] [options]`.
 
 Values come from, in increasing precedence: the defaults in `ServerSettings`/`PoolSettings`/`Limits`,
 the YAML `--config` file (ServerSettings' shape: `pool:` and `pool.limits:` nested; validated like the
@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
 
-from sandbox.app import ServerSettings, create_app, open_files_needed, raise_open_files_limit
-from sandbox.configfile import ConfigError, load_config
-from sandbox.isolation import IsolationMode, detect_isolation
-from sandbox.ownership import RangeTaken, StateDirError, check_claimable
+from stare_sandbox.app import ServerSettings, create_app, open_files_needed, raise_open_files_limit
+from stare_sandbox.configfile import ConfigError, load_config
+from stare_sandbox.isolation import IsolationMode, detect_isolation
+from stare_sandbox.ownership import RangeTaken, StateDirError, check_claimable
 
 SERVER_KEEPALIVE_S = 60.0
 """Seconds an idle HTTP connection stays open on the server; several times the clients' KEEPALIVE_S."""
@@ -55,7 +55,7 @@ FLAGS = {
 }
 
 
-def build_parser(prog: str = "python -m sandbox") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m stare_sandbox") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Python execution sandbox service")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
@@ -116,7 +116,7 @@ def load_settings(args: argparse.Namespace) -> ServerSettings:
         raise SystemExit(f"sandbox: {exc}") from None
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m sandbox") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m stare_sandbox") -> int:
     args = build_parser(prog).parse_args(argv)
     settings = load_settings(args)
     if settings.require_isolation:

@@ -1,7 +1,7 @@
 """How a kernel is fenced off from the server and from other kernels (DESIGN section 5).
 
 A kernel is started by jupyter_client from a kernelspec whose argv comes from `kernel_argv`: it runs
-`python -m sandbox.launch` (inside `unshare` with namespaces), which sets the fences up and then
+`python -m stare_sandbox.launch` (inside `unshare` with namespaces), which sets the fences up and then
 starts `ipykernel_launcher`; see that module for the order of the steps.
 
 Always enforced ("process" mode and "namespaces" mode):
@@ -31,7 +31,7 @@ Enforced only in "namespaces" mode (root and util-linux `unshare` needed; `detec
   groups, no-new-privileges so setuid programs do not elevate): other kernels' scratch dirs, the
   connection files (which hold the HMAC key) and root-only files such as /etc/shadow are unreadable,
   and RLIMIT_NPROC counts this kernel's processes only. A pool's slots are the uid range it holds
-  exclusively on this host (sandbox.ownership), so no other sandbox's kernel ever has the same uid.
+  exclusively on this host (stare_sandbox.ownership), so no other sandbox's kernel ever has the same uid.
 
 Caps, where cgroups work (`detect_isolation` probes; root is needed; `Isolation.cgroup` says which):
 - each kernel of a pool gets its own cgroup (`KernelCgroup`: v2, or v1 memory + cpuacct) in a dir of its
@@ -56,7 +56,7 @@ Not isolated, in any mode:
 - the kernel shares the host kernel (a kernel exploit escapes all of this);
 - a server that dies without its clean-up (SIGKILL, a crash) leaves its kernels' scratch dirs, its
   cgroups and, in process mode, processes its kernels started behind; the next owner of its uid range
-  removes them (sandbox.ownership).
+  removes them (stare_sandbox.ownership).
 In "process" mode the kernel also runs as the server's uid with the server's view of the network and
 file system (so kernels can read each other's scratch dirs and connection files), RLIMIT_NPROC counts
 all processes of that uid (root is exempt from it entirely), and a kernel's children can outlive it
@@ -115,9 +115,9 @@ __all__ = [
 
 UID_BASE = 61000
 """Kernels run as uid (and gid) UID_BASE + slot, the slot chosen by the caller; no passwd entry needed. A pool's
-slots are those of the uid range it holds (sandbox.ownership), UID_RANGE_SIZE uids from a multiple of it."""
+slots are those of the uid range it holds (stare_sandbox.ownership), UID_RANGE_SIZE uids from a multiple of it."""
 UID_RANGE_SIZE = 1000
-"""Kernel uids per range (sandbox.ownership), so also the most kernels one pool may have alive at once."""
+"""Kernel uids per range (stare_sandbox.ownership), so also the most kernels one pool may have alive at once."""
 
 _PROBE_UID = UID_BASE - 1  # the namespace probe's own uid, never a kernel's
 _PROBE_TIMEOUT_S = 30
@@ -190,7 +190,7 @@ class Isolation:
     """Each kernel in its own cgroup ("v1" or "v2"): a memory limit for all its processes, their CPU time
     measured together; "" = none (no root, or the host offers no usable memory controller)."""
     uid_base: int = 0
-    """First uid of the kernel uid range the pool holds alone on this host (sandbox.ownership); its kernels'
+    """First uid of the kernel uid range the pool holds alone on this host (stare_sandbox.ownership); its kernels'
     cgroups are grouped by it too. 0 = no range held (the isolation as probed, before a pool claims one)."""
 
     def as_dict(self) -> dict[str, object]:
@@ -279,7 +279,7 @@ def _launcher_argv(
     launch = [
         python,
         "-m",
-        "sandbox.launch",
+        "stare_sandbox.launch",
         f"--memory-mb={limits.memory_mb}",
         f"--processes={limits.processes}",
         f"--file-size-mb={limits.file_size_mb}",
@@ -348,7 +348,7 @@ def make_scratch(root: Path, uid: int | None) -> Path:
     """A new private dir (mode 0700) under `root`, owned by `uid` (and gid `uid`) when given.
 
     Named `kernel-<pid of this process>-<random>`: a later owner of this process's uid range tells the dirs
-    this process left in a shared scratch root by that pid (sandbox.ownership).
+    this process left in a shared scratch root by that pid (stare_sandbox.ownership).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -435,7 +435,7 @@ def kill_uid_processes(uids: int | range) -> int:
     """SIGKILL every process whose real uid is `uids` (or in that range) visible here; returns how many were killed.
 
     A kernel's processes all die with it in namespace mode, and the kernel dies with its server; this is
-    for a kernel left behind all the same (see "Not isolated" above): sandbox.ownership calls it for the
+    for a kernel left behind all the same (see "Not isolated" above): stare_sandbox.ownership calls it for the
     whole uid range a pool takes over.
     """
     wanted = range(uids, uids + 1) if isinstance(uids, int) else uids
