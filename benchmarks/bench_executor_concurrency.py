@@ -26,7 +26,7 @@ answer. With no generation time (--gen-delay-s 0) every episode reaches the sand
 (the executor's client made by `make_client(config.sandbox)` without the episode count, so max_kernels =
 sandbox.max_kernels: 64 by default, --sandbox-max-kernels scales it down), then the executor's default client.
 
-Measured per cell: episodes that ended in `sandbox_error` (extra_logs["sandbox_failed"]) and with a tool error
+Measured per cell: episodes that ended in `sandbox_error` (extra_logs["finish_sandbox_error"]) and with a tool error
 (the code's own failure, e.g. a timeout); each tool call's latency as the episode saw it (from the engine's
 answer to the episode's next request: kernel wait, queueing, the run and the observation's tokenization); time
 from an episode's start to its first tool output; the batch's wall time; kernels started, the most alive at once,
@@ -180,7 +180,7 @@ def call_times(traces: list[Trace], responses: list[dict]) -> tuple[list[float],
     request and is not timed."""
     first, later, from_start = [], [], []
     for trace, response in zip(traces, responses, strict=True):
-        made = response["extra_logs"]["tool_calls"]
+        made = int(response["extra_logs"]["tool_calls"])
         gaps = [req - ans for ans, req in zip(trace.answers, trace.requests[1:], strict=False)][:made]
         first += gaps[:1]
         later += gaps[1:]
@@ -205,10 +205,10 @@ def summarize(traces: list[Trace], responses: list[dict], wall_s: float) -> dict
     scored = [r["reward"] for r in responses if r["scores"] == r["scores"]]  # NaN: unscored
     return {
         "episodes": len(responses),
-        "sandbox_errors": sum(log["sandbox_failed"] for log in logs),
+        "sandbox_errors": int(sum(log["finish_sandbox_error"] for log in logs)),
         "episodes_with_tool_errors": sum(log["tool_errors"] > 0 for log in logs),
-        "tool_calls": sum(log["tool_calls"] for log in logs),
-        "finished_with_answer": sum(log["finish_answer"] for log in logs),
+        "tool_calls": int(sum(log["tool_calls"] for log in logs)),
+        "finished_with_answer": int(sum(log["finish_answer"] for log in logs)),
         "mean_reward": sum(scored) / len(scored) if scored else None,
         "ids_grew_every_turn": all(t.grew for t in traces),
         "first_call_s": spread(first),

@@ -285,7 +285,7 @@ async def run_batch(bench: Bench, mode: str, problems: list[Any], group: int) ->
         "cached_tokens_later_turns": sum(r.cached_tokens for r in later),
         "prompt_tokens_later_turns": sum(r.prompt_tokens for r in later),
         "sampled_tokens": sum(r.sampled_tokens for r in requests),
-        "tool_output_tokens": sum(x["extra_logs"]["tool_output_tokens"] for x in responses),
+        "tool_output_tokens": int(sum(x["extra_logs"]["tool_output_tokens"] for x in responses)),
         "max_episode_tokens": max(len(x["observation_tokens"]) for x in responses),
         "tool_seconds": sum(x["extra_logs"]["tool_seconds"] for x in responses),
         "own_cores": (tree1 - tree0) / wall,

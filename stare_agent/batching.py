@@ -16,14 +16,18 @@ batch is full. Two things stop a run instead of training a partial batch:
   broken, and the run stops with an error rather than burn the prompt set.
 
 Plain Python: the local loop and the OpenRLHF trainer actor both use `BatchFill`, so the rule, its
-counts and their metric names live here once.
+counts, the step's episode statistics and their metric names (docs/metrics.md) live here once.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from stare_agent.agent import EpisodeResult
 
 Verdict = Literal["kept", "equal", "sandbox", "prompt_too_long"]
 DROP_REASONS: tuple[Verdict, ...] = ("equal", "sandbox", "prompt_too_long")
@@ -61,6 +65,67 @@ def group_verdict(
     return "kept"
 
 
+EPISODE_STATS = (
+    "reward",
+    "response_length",
+    "sampled_tokens",
+    "tool_output_tokens",
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "tool_seconds",
+    "finish_answer",
+    "finish_eos",
+    "finish_length",
+    "finish_tool_limit",
+    "finish_sandbox_error",
+    "prompt_too_long",
+)
+"""The numbers of one episode, the same keys for every episode: OpenRLHF merges per-sample logs key by key."""
+
+
+def episode_stats(result: EpisodeResult) -> dict[str, float]:
+    """One episode's numbers (EPISODE_STATS), which a step averages into its rollout/ metrics.
+
+    reward is NaN when the episode could not be scored (sandbox failure, or no room for a response); a prompt with
+    no room for a response counts under prompt_too_long, not finish_length.
+    """
+    too_long, finish = result.prompt_too_long, result.finish_reason
+    sampled = sum(result.action_mask)
+    stats = {
+        "reward": math.nan if result.reward is None or too_long else float(result.reward),
+        "response_length": float(result.response_len),
+        "sampled_tokens": float(sampled),
+        "tool_output_tokens": float(result.response_len - sampled),
+        "turns": float(len(result.turns)),
+        "tool_calls": float(result.tool_calls),
+        "tool_errors": float(result.tool_errors),
+        "tool_seconds": sum(turn.duration_ms for turn in result.turns) / 1000,
+        **{f"finish_{reason}": float(finish == reason) for reason in ("answer", "eos")},
+        "finish_length": float(finish == "length" and not too_long),
+        "finish_tool_limit": float(finish == "tool_limit"),
+        "finish_sandbox_error": float(finish == "sandbox_error"),
+        "prompt_too_long": float(too_long),
+    }
+    assert tuple(stats) == EPISODE_STATS
+    return stats
+
+
+def rollout_metrics(episodes: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The step's rollout/ metrics from its episodes' `episode_stats`: means over every episode generated (kept
+    groups and dropped ones); reward and accuracy over the scored episodes only."""
+    n = max(len(episodes), 1)
+    scored = [e["reward"] for e in episodes if not math.isnan(e["reward"])]
+    metrics = {
+        "rollout/episodes": float(len(episodes)),
+        "rollout/reward": sum(scored) / max(len(scored), 1),
+        "rollout/accuracy": sum(r == 1.0 for r in scored) / max(len(scored), 1),
+    }
+    for key in EPISODE_STATS[1:]:
+        metrics[f"rollout/{key}"] = sum(e[key] for e in episodes) / n
+    return metrics
+
+
 @dataclass
 class BatchFill:
     """The accounting of one step's batch while it is filled.
@@ -76,6 +141,7 @@ class BatchFill:
     kept: int = 0
     consumed: int = 0
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    episodes: list[dict[str, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.target < 1 or self.budget < self.target:
@@ -99,6 +165,19 @@ class BatchFill:
             self.dropped[verdict] += 1
         self.consumed += 1
 
+    def add_group(self, episodes: Sequence[dict[str, float]], *, drop_equal: bool) -> Verdict:
+        """One consumed prompt's group, from its episodes' `episode_stats`: judged, counted, and its episodes kept
+        for the step's rollout metrics."""
+        verdict = group_verdict(
+            [None if math.isnan(e["reward"]) else e["reward"] for e in episodes],
+            [bool(e["finish_sandbox_error"]) for e in episodes],
+            [bool(e["prompt_too_long"]) for e in episodes],
+            drop_equal=drop_equal,
+        )
+        self.record(verdict)
+        self.episodes.extend(episodes)
+        return verdict
+
     def check_sandbox(self) -> None:
         """SandboxFailures when too large a share of this step's groups failed in the sandbox."""
         failed = self.dropped["sandbox"]
@@ -118,11 +197,13 @@ class BatchFill:
         )
 
     def metrics(self) -> dict[str, float]:
-        """The step's group counts, under the names both backends log."""
+        """The step's group counts and, when its groups came through `add_group`, its episodes' rollout metrics:
+        the rollout/ names both backends log."""
         return {
             "rollout/groups_kept": float(self.kept),
             **{f"rollout/groups_dropped_{reason}": float(n) for reason, n in self.dropped.items()},
             "rollout/prompts_consumed": float(self.consumed),
+            **(rollout_metrics(self.episodes) if self.episodes else {}),
         }
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from stare_agent.batching import BatchFill, SandboxFailures, end_message, group_verdict
+from stare_agent.batching import EPISODE_STATS, BatchFill, SandboxFailures, end_message, episode_stats, group_verdict
 
 
 def test_a_group_is_dropped_for_the_sandbox_first_then_the_prompt_then_equal_rewards():
@@ -69,3 +71,28 @@ def test_budget_below_the_batch_is_refused():
 def test_end_message_says_how_many_steps_and_why():
     assert end_message(5, 5, "") == "trained 5 of 5 steps"
     assert end_message(2, 5, "no prompts") == "trained 2 of 5 steps; stopped early: no prompts"
+
+
+def test_episode_stats_and_the_step_s_rollout_metrics():
+    from stare_agent.agent import EpisodeResult, Turn
+
+    call = Turn("x", 2, code="1/0", status="error", duration_ms=500.0, observation_tokens=2)
+    answered = EpisodeResult("p", [1, 2, 3, 4, 5, 6, 7], [0, 0, 1, 1, 0, 0, 1], [0.0] * 7, 2, [call, Turn("y", 1)],
+                             "3", 1.0, "answer")  # fmt: skip
+    too_long = EpisodeResult("p", [1, 2], [0, 0], [0.0] * 2, 2, [], None, None, "length")
+    stats = episode_stats(answered)
+    assert tuple(stats) == EPISODE_STATS
+    assert (stats["response_length"], stats["sampled_tokens"], stats["tool_output_tokens"]) == (5, 3, 2)
+    assert (stats["turns"], stats["tool_calls"], stats["tool_errors"], stats["tool_seconds"]) == (2, 1, 1, 0.5)
+    long_stats = episode_stats(too_long)
+    assert math.isnan(long_stats["reward"]) and long_stats["prompt_too_long"] == 1
+    assert long_stats["finish_length"] == 0  # counted as a prompt with no room, not a response cut at the budget
+
+    fill = BatchFill(1, 4, 0.5)
+    assert fill.add_group([long_stats, stats], drop_equal=True) == "prompt_too_long"
+    assert fill.add_group([stats, {**stats, "reward": 0.0}], drop_equal=True) == "kept"
+    metrics = fill.metrics()
+    assert metrics["rollout/episodes"] == 4 and metrics["rollout/prompts_consumed"] == 2
+    assert metrics["rollout/reward"] == pytest.approx(2 / 3)  # over the 3 scored episodes
+    assert metrics["rollout/sampled_tokens"] == pytest.approx(9 / 4)  # over all 4, the dropped group's too
+    assert metrics["rollout/prompt_too_long"] == 0.25 and metrics["rollout/finish_answer"] == 0.75

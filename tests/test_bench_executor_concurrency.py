@@ -89,7 +89,7 @@ def test_each_episode_follows_its_own_script_under_gather(tiny_tokenizer):
     traces, responses = _gather(tiny_tokenizer, client, [7, 8, 9], tool_calls=2)
     for trace, response in zip(traces, responses, strict=True):
         logs = response["extra_logs"]
-        assert (logs["tool_calls"], logs["finish_answer"], logs["sandbox_failed"]) == (2, 1, 0)
+        assert (logs["tool_calls"], logs["finish_answer"], logs["finish_sandbox_error"]) == (2, 1, 0)
         assert response["reward"] == 1.0  # the scripted answer is the label
         assert len(trace.requests) == len(trace.answers) == 3 and trace.grew
     # every episode ran its own code, in turn order, in a session of its own
@@ -122,7 +122,7 @@ def _response(tool_calls, failed=0, reward=1.0):
     return {
         "extra_logs": {
             "tool_calls": tool_calls,
-            "sandbox_failed": failed,
+            "finish_sandbox_error": failed,
             "tool_errors": 0,
             "finish_answer": 1 - failed,
         },

@@ -120,3 +120,17 @@ def test_the_core_imports_no_backend():
         if name.startswith("stare_agent.backends")
     ]
     assert offenders == []
+
+
+def test_the_backends_leave_the_stare_step_to_the_shared_layer():
+    """Both backends get their weights and metrics from step.stare_step; none selects tokens or computes the
+    diagnostics itself (a second copy is how the two drifted apart before)."""
+    own = {"select_quadrants", "token_weights", "batch_diagnostics", "critical_surprisal", "regime_codes"}
+    offenders = []
+    for path in sorted((PACKAGE / "backends").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = {a.name for a in node.names} if isinstance(node, ast.ImportFrom) else set()
+            if isinstance(node, ast.Attribute):
+                names = {node.attr}
+            offenders += [f"{path.relative_to(PACKAGE)} uses {name}" for name in sorted(names & own)]
+    assert offenders == []

@@ -33,7 +33,8 @@ import torch
 import stare_agent.agent
 from stare_agent import protocol
 from stare_agent.backends.openrlhf import episodes
-from stare_agent.backends.openrlhf.episodes import CONFIG_ENV, EXTRA_LOGS, ReToolExecutor, config_env, config_from_env
+from stare_agent.backends.openrlhf.episodes import CONFIG_ENV, ReToolExecutor, config_env, config_from_env
+from stare_agent.batching import EPISODE_STATS
 from stare_agent.config import AgentConfig, ConfigError, RLConfig, RolloutConfig, SandboxConfig
 from stare_sandbox.client import AsyncSandboxClient, InProcessClient
 from stare_sandbox.kernels import PoolSettings
@@ -150,7 +151,8 @@ def in_process():
 def check_response(response):
     """What holds for every dict the executor returns, whatever the episode did."""
     assert set(response) == RESPONSE_KEYS
-    assert tuple(response["extra_logs"]) == EXTRA_LOGS  # the same keys on every sample: OpenRLHF merges them
+    # the same keys on every sample (OpenRLHF merges them); the reward travels as reward and scores
+    assert tuple(response["extra_logs"]) == tuple(k for k in EPISODE_STATS if k != "reward")
     assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in response["extra_logs"].values())
     n = len(response["observation_tokens"])
     ends = [0] + [x for r in response["action_ranges"] for x in r] + [n]
@@ -221,9 +223,9 @@ def test_tool_calls_stop_at_the_stop_string_and_observations_stay_outside_the_ac
     assert len(response["rollout_log_probs"]) == len(response["observation_tokens"])  # asked for, always
     assert response["prompt"] == PROBLEM and response["label"] == "3" and response["images"] is None
     logs = response["extra_logs"]
-    assert logs["response_tokens"] == sum(map(len, s)) and logs["tool_output_tokens"] == len(o1) + len(o2)
+    assert logs["sampled_tokens"] == sum(map(len, s)) and logs["tool_output_tokens"] == len(o1) + len(o2)
     assert (logs["turns"], logs["tool_calls"], logs["tool_errors"], logs["finish_answer"]) == (3, 2, 0, 1)
-    assert logs["sandbox_failed"] == 0 and logs["finish_length"] == 0 and logs["tool_seconds"] > 0
+    assert logs["finish_sandbox_error"] == 0 and logs["finish_length"] == 0 and logs["tool_seconds"] > 0
 
     # every turn got its own copy of the shared params, with our stop strings and the turn's token cap
     for call in engine.calls:
@@ -280,7 +282,7 @@ def test_the_turn_cap_ends_a_turn_and_marks_the_episode_truncated(tiny_tokenizer
     (response,) = run_executor(engine, tiny_tokenizer, make_config(max_turn_tokens=8), params=shared_params())
     assert [call.params.max_tokens for call in engine.calls] == [8]  # ours, not OpenRLHF's max_new_tokens (64)
     assert response["truncated"] is True and response["extra_logs"]["finish_length"] == 1
-    assert response["extra_logs"]["response_tokens"] == 8 and response["reward"] == 0.0 and response["scores"] == 0.0
+    assert response["extra_logs"]["sampled_tokens"] == 8 and response["reward"] == 0.0 and response["scores"] == 0.0
 
 
 @pytest.mark.parametrize("limit", ["agent", "openrlhf"])
@@ -314,7 +316,7 @@ def test_a_sandbox_failure_drops_the_group_instead_of_scoring_zero(tiny_tokenize
     with caplog.at_level(logging.WARNING, logger=episodes.__name__):
         (response,) = run_executor(engine, tiny_tokenizer, make_config(sandbox_retries=1))
     assert math.isnan(response["scores"]) and response["reward"] == 0.0
-    assert response["extra_logs"]["sandbox_failed"] == 1 and response["extra_logs"]["tool_errors"] == 0
+    assert response["extra_logs"]["finish_sandbox_error"] == 1 and response["extra_logs"]["tool_errors"] == 0
     assert response["truncated"] is False and len(engine.calls) == 1  # the episode ended at the failure
     assert "KernelDied" in caplog.text  # dropped groups never reach the trainer's logs, so it is said here
 
@@ -472,7 +474,7 @@ def test_openrlhf_runs_the_executor_and_drops_the_group_with_a_sandbox_failure(o
     assert consumed == 3  # p2's group was dropped and p3 dispatched in its place
     assert [s.prompts[0] for s in samples] == [PROBLEM, PROBLEM, p3, p3]
     assert [s.rewards.item() for s in samples] == [1.0, 0.0, 0.0, 1.0]
-    assert all(s.info["sandbox_failed"].item() == 0 for s in samples)
+    assert all(s.info["finish_sandbox_error"].item() == 0 for s in samples)
     first = samples[0]
     p = prompt_ids(tiny_tokenizer)
     s = [protocol.encode_segment(tiny_tokenizer, turn) for turn in (CALL_1, CALL_2, ANSWER)]  # each ends at its stop
@@ -481,7 +483,7 @@ def test_openrlhf_runs_the_executor_and_drops_the_group_with_a_sandbox_failure(o
     action = first.action_mask[0].tolist()  # shifted by one: position t predicts id t+1
     a = len(p) + len(s[0])
     assert action[:a] == [0] * (len(p) - 1) + [1] * len(s[0]) + [0]  # the observation's first id is not sampled
-    assert sum(action) == sum(map(len, s)) == first.info["response_tokens"].item()
+    assert sum(action) == sum(map(len, s)) == first.info["sampled_tokens"].item()
 
     # the Experiences batch and get GRPO advantages (KL off): constant, the group-normalized reward
     maker = orl.maker.RemoteExperienceMaker(
@@ -507,4 +509,4 @@ def test_openrlhf_makes_experiences_with_the_rollout_log_probs_aligned(orl, tiny
         assert batch.rollout_log_probs[row, : n - 1].tolist() == pytest.approx(response["rollout_log_probs"][1:])
         assert batch.truncated[row].item() == response["truncated"]
     assert batch.truncated.tolist() == [False, True]
-    assert batch.info["response_tokens"].tolist() == [r["extra_logs"]["response_tokens"] for r in responses]
+    assert batch.info["sampled_tokens"].tolist() == [r["extra_logs"]["sampled_tokens"] for r in responses]

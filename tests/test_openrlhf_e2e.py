@@ -317,7 +317,8 @@ def test_every_step_trained_one_full_batch_and_every_dropped_group_is_counted(tr
         for step in (1, 2)
     }
     assert all(consumed[step] == kept[step] + dropped[step] for step in (1, 2))
-    assert "train/sandbox_failed" not in logged  # a trained sample never has one: the group counts say it
+    assert logged["train/rollout/finish_sandbox_error"] == {1: 0.0, 2: 0.0}
+    assert "train/finish_sandbox_error" not in logged  # our episode numbers are logged once, under rollout/
     assert "rl: trained 2 of 2 steps; the final model is in" in trained.output
     assert logged["train/rollout/groups_dropped_sandbox"] == {1: 0.0, 2: 0.0}
 
@@ -326,10 +327,10 @@ def test_every_step_trained_one_full_batch_and_every_dropped_group_is_counted(tr
 @needs_the_stack
 def test_the_agent_ran_tool_calls_in_the_sandbox_and_groups_had_mixed_rewards(trained):
     logged = scalars(trained.run_dir)
-    for step, calls in logged["train/tool_calls"]:
+    for step, calls in logged["train/rollout/tool_calls"]:
         assert calls == 1.0, f"step {step}: every episode makes exactly the forced call"
-    assert all(value == 0 for _, value in logged["train/tool_errors"])
-    assert all(0 < value < 1 for _, value in logged["train/reward"])  # the coin: some right, some looping
+    assert all(value == 0 for _, value in logged["train/rollout/tool_errors"])
+    assert all(0 < value < 1 for _, value in logged["train/rollout/reward"])  # the coin: some right, some looping
 
 
 @pytest.mark.slow

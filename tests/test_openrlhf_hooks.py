@@ -661,17 +661,27 @@ def test_install_puts_our_classes_where_train_ppo_ray_finds_them(hooks, monkeypa
 # --- full batches: the sample generator inside OpenRLHF's own fit loop ---------------------------------------------
 
 
-def scripted_response(kind: str, sample: int, prompt: str, label: str) -> dict:
-    """What our executor returns (episodes.to_response) for an episode whose outcome the prompt's kind decides:
-    varied = right on odd samples; flat = always wrong; broken = the sandbox failed; long = no room for a turn."""
+def scripted_episode(kind: str, sample: int):
+    """An episode whose outcome the prompt's kind decides: varied = right on odd samples, after a tool call (a
+    failed one on sample 2); flat = always wrong; broken = the sandbox failed; long = no room for a turn."""
     from stare_agent.agent import EpisodeResult, Turn
+
+    if kind == "long":
+        return EpisodeResult("p", [5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -1.0, -1.0], 2, [], None, None, "length")
+    call = Turn("x", 2, code="print(1)", status="error" if sample == 2 else "ok", duration_ms=4.0 * sample)
+    turns = [call, Turn("y", 1)] if kind == "varied" else [Turn("x", 2)]
+    ids, mask = [5, 6, 7, 8, 9, 10][: 2 + 2 * len(turns)], [0, 0, 1, 1, 0, 1][: 2 + 2 * len(turns)]
+    reward = None if kind == "broken" else float(kind == "varied" and sample % 2 == 1)
+    finish = "sandbox_error" if kind == "broken" else "answer" if reward else ("eos", "tool_limit")[sample % 2]
+    logprobs = [-1.0 * m for m in mask]
+    return EpisodeResult("p", ids, mask, logprobs, 2, turns, None, reward, finish)
+
+
+def scripted_response(kind: str, sample: int, prompt: str, label: str) -> dict:
+    """What our executor returns (episodes.to_response) for `scripted_episode`."""
     from stare_agent.backends.openrlhf.episodes import to_response
 
-    turns = [] if kind == "long" else [Turn(text="x", sampled_tokens=2)]
-    reward = None if kind in ("broken", "long") else float(kind == "varied" and sample % 2 == 1)
-    finish = "sandbox_error" if kind == "broken" else "length" if kind == "long" else "answer"
-    result = EpisodeResult("p", [5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -1.0, -1.0], 2, turns, None, reward, finish)
-    return to_response(result, prompt=prompt, label=label)
+    return to_response(scripted_episode(kind, sample), prompt=prompt, label=label)
 
 
 class ScriptedEngine:
@@ -692,7 +702,9 @@ class ScriptedEngine:
         return [scripted_response(kind, i, prompt, label) for i in range(num_samples)]
 
 
-def fit_run(hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, budget=0, resume_at=0, fraction=0.5):
+def fit_run(
+    hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, budget=0, resume_at=0, fraction=0.5, shuffle=True
+):
     """OpenRLHF's real PPOTrainer.fit over our trainer, with a StareSamplesGenerator over a real prompt loader and a
     scripted engine; the update itself (BasePPOTrainer.train_step: DeepSpeed ranks on a GPU) records its batch."""
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer
@@ -702,7 +714,7 @@ def fit_run(hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, budg
 
     prompts = [f"{kind}: problem {i}" for i, kind in enumerate(kinds)]
     loader = StatefulDataLoader(
-        prompts, batch_size=1, shuffle=True, collate_fn=lambda b: (None, b, ["1"] * len(b), [None])
+        prompts, batch_size=1, shuffle=shuffle, collate_fn=lambda b: (None, b, ["1"] * len(b), [None])
     )
     rollout = RolloutConfig(
         prompts_per_step=prompts_per_step, group_size=4, max_prompts_per_step=budget,
@@ -742,7 +754,7 @@ def fit_run(hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, budg
     states = {"episode": 0, "global_step": resume_at, "total_consumed_prompts": 0, "data_loader_state_dict": {}}
     monkeypatch.setattr(BasePPOTrainer, "init_checkpoint_states", lambda self: dict(states))
     hooks.ORIGINAL_TRAINER.__ray_actor_class__.fit(trainer)  # OpenRLHF's loop, as the trainer actor runs it
-    return NS(trained=trained, logged=logged, report=trainer.end_report(), generator=generator)
+    return NS(trained=trained, logged=logged, report=trainer.end_report(), generator=generator, rollout=rollout)
 
 
 def test_fit_trains_exactly_steps_full_batches_whatever_the_filter_rate(hooks, local_ray, monkeypatch):
@@ -754,13 +766,43 @@ def test_fit_trains_exactly_steps_full_batches_whatever_the_filter_rate(hooks, l
         assert [len(batch) for batch in run.trained] == [8, 8, 8]  # 2 groups x 4 samples, 3 times
         for batch in run.trained:
             assert all(sample.prompts[0].startswith("varied") for sample in batch)
-            assert all("sandbox_failed" not in sample.info for sample in batch)
+            assert all("finish_sandbox_error" not in sample.info for sample in batch)
         assert [row["rollout/groups_kept"] for row in run.logged] == [2.0, 2.0, 2.0]
         assert run.report == {"trained": 3, "steps": 3, "reason": ""}
         consumed[name] = sum(row["rollout/prompts_consumed"] for row in run.logged)
         assert consumed[name] == 6 + sum(row["rollout/groups_dropped_equal"] for row in run.logged)
     assert consumed["many"] > consumed["few"] and consumed["many"] >= 12  # two passes at least
     assert hooks.StarePPOTrainer.get_max_steps(NS(run_config=NS(steps=3))) == 3  # the LR schedule's length
+
+
+def test_both_backends_log_the_same_rollout_metrics_for_the_same_episodes(hooks, local_ray, monkeypatch):
+    """One step over the same prompts and episodes, through OpenRLHF's fit with our generator and through the
+    local loop's rollouts: the same rollout/ names and values (docs/metrics.md). Both take the prompts in file
+    order here, so that they consume the same ones."""
+    import asyncio
+
+    from stare_agent.backends.local import rl
+    from stare_agent.config import RLConfig
+    from stare_agent.data import Problem
+
+    kinds = ["broken", "flat", "varied", "long", "varied", "flat"]
+    run = fit_run(hooks, local_ray, monkeypatch, kinds, steps=1, shuffle=False)
+    openrlhf = {key: value for key, value in run.logged[0].items() if key.startswith("rollout/")}
+
+    async def run_batch(problems, **kwargs):  # the local loop's episodes: each problem's group in turn
+        return [scripted_episode(p.problem.split(":")[0], i % run.rollout.group_size) for i, p in enumerate(problems)]
+
+    monkeypatch.setattr(rl, "run_batch", run_batch)
+    monkeypatch.setattr(rl, "stream_indices", lambda n, seed, start, count: list(range(start, start + count)))
+    problems = [Problem(f"p{i}", f"{kind}: problem {i}", "1", "test") for i, kind in enumerate(kinds)]
+    trainer = NS(config=RLConfig(rollout=run.rollout, steps=1), problems=problems, cursor=0, tokenizer=None)
+    trainer.generator = None
+    _, _, local = asyncio.run(rl.Trainer.rollouts(trainer, client=None))
+
+    assert openrlhf == pytest.approx(local) and set(openrlhf) == set(local)
+    assert local["rollout/prompts_consumed"] == 5 and local["rollout/groups_dropped_sandbox"] == 1
+    assert local["rollout/episodes"] == 20 and local["rollout/reward"] == pytest.approx(4 / 12)  # 8 unscored
+    assert local["rollout/tool_errors"] == pytest.approx(2 / 20) and local["rollout/finish_sandbox_error"] == 0.2
 
 
 def test_a_step_that_cannot_fill_its_batch_ends_fit_without_training_it(hooks, local_ray, monkeypatch):

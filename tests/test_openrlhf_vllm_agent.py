@@ -200,7 +200,7 @@ def test_training_samples_from_the_real_engine(orl, actor, tiny_tokenizer, scrip
         sampled = [1] * len(script.call) + [0] * len(script.observation) + [1] * len(turn_2)
         assert sample.action_mask[0].tolist() == [0] * (len(prompt) - 1) + sampled
         assert sample.info["tool_calls"].item() == 1 and sample.info["finish_answer"].item() == 1
-        assert sample.info["response_tokens"].item() == len(script.call) + len(turn_2)
+        assert sample.info["sampled_tokens"].item() == len(script.call) + len(turn_2)
         assert sample.info["tool_output_tokens"].item() == len(script.observation)
         assert sample.truncated.item() is False
         # the engine's log-probs of the sampled ids, asked for every turn (the forced model's are ~0), one per position
@@ -261,7 +261,7 @@ def test_zz_a_sandbox_failure_drops_the_group(orl, actor, tiny_tokenizer, script
 
     (response,), (experience,) = dispatch(orl, actor, tiny_tokenizer)
     assert math.isnan(response["scores"]) and math.isnan(experience.scores.item()) and response["reward"] == 0.0
-    assert response["extra_logs"]["sandbox_failed"] == 1 and response["truncated"] is False
+    assert response["extra_logs"]["finish_sandbox_error"] == 1 and response["truncated"] is False
     assert response["observation_tokens"] == script.prompt + script.call  # ended at the failed call
 
     loader = [("d", [PROBLEM, OTHER], ["42", "41"], [None, None])]

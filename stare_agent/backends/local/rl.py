@@ -49,7 +49,7 @@ from stare_agent.backends.local.common import (
     stream_indices,
 )
 from stare_agent.backends.local.generation import HFGenerator
-from stare_agent.batching import BatchFill, NoStepTrained, end_message, group_verdict
+from stare_agent.batching import BatchFill, NoStepTrained, end_message, episode_stats
 from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
 from stare_agent.loss import group_advantages, logprob_mismatch, policy_loss
@@ -233,7 +233,6 @@ class Trainer:
         r = self.config.rollout
         fill = BatchFill(r.prompts_per_step, r.prompt_budget, r.max_sandbox_failure_fraction)
         kept: list[list[EpisodeResult]] = []
-        all_results: list[EpisodeResult] = []
         while need := fill.room():
             picked = stream_indices(len(self.problems), self.config.run.seed, self.cursor, need)
             self.cursor += need
@@ -245,33 +244,11 @@ class Trainer:
                 client=client,
                 config=self.config.agent,
             )
-            all_results += results
             for g in range(need):
                 group = results[g * r.group_size : (g + 1) * r.group_size]
-                verdict = group_verdict(
-                    [e.reward for e in group],
-                    [e.finish_reason == "sandbox_error" for e in group],
-                    [e.prompt_too_long for e in group],
-                    drop_equal=r.dynamic_sampling,
-                )
-                fill.record(verdict)
-                if verdict == "kept":
+                if fill.add_group([episode_stats(e) for e in group], drop_equal=r.dynamic_sampling) == "kept":
                     kept.append(group)
-        scored = [e for e in all_results if e.reward is not None]
-        n = max(len(all_results), 1)
-        metrics = {
-            "rollout/reward": sum(e.reward for e in scored) / max(len(scored), 1),
-            "rollout/accuracy": sum(e.reward == 1.0 for e in scored) / max(len(scored), 1),
-            "rollout/response_length": sum(e.response_len for e in all_results) / n,
-            "rollout/sampled_tokens": sum(sum(e.action_mask) for e in all_results) / n,
-            "rollout/tool_calls": sum(e.tool_calls for e in all_results) / n,
-            "rollout/tool_errors": sum(e.tool_errors for e in all_results) / n,
-            "rollout/episodes": len(all_results),
-            **fill.metrics(),
-        }
-        for reason in ("answer", "eos", "length", "tool_limit", "sandbox_error"):
-            metrics[f"rollout/finish_{reason}"] = sum(e.finish_reason == reason for e in all_results) / n
-        return kept, fill, metrics
+        return kept, fill, fill.metrics()
 
     def prepare(self, groups: list[list[EpisodeResult]]) -> tuple[UpdateBatch, dict[str, float]]:
         """Reference pass (no grad), GRPO advantages and STARE weights over the whole batch; and their metrics."""

@@ -34,12 +34,14 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from stare_agent import protocol
 from stare_agent.agent import EpisodeResult, Sample, ToolClient, completion_sample, run_episode, score_problem
+from stare_agent.batching import episode_stats
 from stare_agent.config import ConfigError, RLConfig, load_config, to_dict
 from stare_agent.data import Problem
 from stare_sandbox.client import SandboxUnavailable
@@ -48,25 +50,6 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "STARE_AGENT_RL_CONFIG"
 """Environment variable holding the run's RLConfig as JSON, for the executor in every vLLM engine actor."""
-
-EXTRA_LOGS = (
-    "response_tokens",
-    "tool_output_tokens",
-    "turns",
-    "tool_calls",
-    "tool_errors",
-    "tool_seconds",
-    "finish_answer",
-    "finish_eos",
-    "finish_length",
-    "finish_tool_limit",
-    "sandbox_failed",
-    "prompt_too_long",
-)
-"""Keys of `extra_logs`, the same for every sample: OpenRLHF merges the per-sample `info` dicts key by key, so a
-key missing from one sample would misalign the batch. response_tokens counts sampled ids only (OpenRLHF's
-response_length spans the first to the last action token, tool output included)."""
-
 
 # --- config -------------------------------------------------------------------------------------------------------
 
@@ -150,28 +133,12 @@ def to_response(result: EpisodeResult, *, prompt: str, label: Any, images: Any =
     """The dict OpenRLHF 0.11.2 makes a sample of (keys as its stock executors return them).
 
     observation_tokens: all ids (prompt, sampled and observation segments); action_ranges: the sampled ones;
-    rollout_log_probs: one per id (0.0 outside actions).
+    rollout_log_probs: one per id (0.0 outside actions); extra_logs: batching.episode_stats without the reward.
     A sandbox failure, or a prompt that leaves no room for a response, cannot be scored: reward 0.0 and
     scores NaN, which makes dynamic filtering drop the whole group.
     """
-    prompt_too_long = result.prompt_too_long
-    unscored = result.reward is None or prompt_too_long
-    finish = result.finish_reason
-    extra_logs = {
-        "response_tokens": sum(result.action_mask),
-        "tool_output_tokens": result.response_len - sum(result.action_mask),
-        "turns": len(result.turns),
-        "tool_calls": result.tool_calls,
-        "tool_errors": result.tool_errors,
-        "tool_seconds": sum(turn.duration_ms for turn in result.turns) / 1000,
-        "finish_answer": int(finish == "answer"),
-        "finish_eos": int(finish == "eos"),
-        "finish_length": int(finish == "length" and not prompt_too_long),
-        "finish_tool_limit": int(finish == "tool_limit"),
-        "sandbox_failed": int(finish == "sandbox_error"),
-        "prompt_too_long": int(prompt_too_long),
-    }
-    assert tuple(extra_logs) == EXTRA_LOGS
+    extra_logs = episode_stats(result)
+    score = extra_logs.pop("reward")  # OpenRLHF's own info key: it travels as reward and scores
     return {
         "prompt": prompt,
         "label": label,
@@ -180,9 +147,9 @@ def to_response(result: EpisodeResult, *, prompt: str, label: Any, images: Any =
         "observation_tokens": list(result.token_ids),
         "action_ranges": action_ranges(result.action_mask),
         "rollout_log_probs": list(result.logprobs),
-        "reward": 0.0 if unscored else float(result.reward),
-        "scores": float("nan") if unscored else float(result.reward),
-        "truncated": finish == "length",
+        "reward": 0.0 if math.isnan(score) else score,
+        "scores": score,
+        "truncated": result.finish_reason == "length",
         "extra_logs": extra_logs,
     }
 

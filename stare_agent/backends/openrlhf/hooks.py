@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from stare_agent.backends.openrlhf import upstream
 from stare_agent.backends.openrlhf.episodes import config_from_env
-from stare_agent.batching import BatchFill, group_verdict
+from stare_agent.batching import EPISODE_STATS, BatchFill
 from stare_agent.config import RLConfig, RolloutConfig
 from stare_agent.loss import logprob_mismatch
 from stare_agent.stare import StareController
@@ -267,9 +268,9 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
         """Full batches handed to fit so far in this run (the checkpoint's global_step on resume)."""
         self.stop_reason = ""
         self.fill_metrics: dict[str, float] = {}
-        """The last batch's group counts (batching.BatchFill.metrics), added to that step's logs."""
+        """The last batch's rollout/ metrics (batching.BatchFill.metrics), added to that step's logs."""
         self._loader_iter: Any = None
-        self._seen: list[tuple[float | None, bool, bool]] = []  # per sample: score (None = NaN), sandbox, too long
+        self._seen: list[dict[str, float]] = []  # per sample, kept or dropped: its batching.episode_stats
 
     @classmethod
     def replacing(cls, generator: Any, config: RLConfig) -> StareSamplesGenerator:
@@ -311,8 +312,7 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
                 _samples_module.batch_vllm_engine_call(self.vllm_engines, "sleep")
         n = r.group_size
         for g in range(0, len(self._seen), n):
-            scores, sandbox, too_long = zip(*self._seen[g : g + n], strict=True)
-            fill.record(group_verdict(scores, sandbox, too_long, drop_equal=r.dynamic_sampling))
+            fill.add_group(self._seen[g : g + n], drop_equal=r.dynamic_sampling)
         if fill.kept * n != len(experiences) or fill.consumed != consumed:
             raise RuntimeError(
                 f"STARE hooks: OpenRLHF kept {len(experiences)} samples of {consumed} prompts, but its groups' "
@@ -328,20 +328,21 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
         return experiences, 100.0 * fill.kept / fill.consumed, consumed, self.handed >= self.steps
 
     def _process_response_into_experience(self, response: dict, **generate_kwargs: Any) -> Any:
-        # Called for every sample OpenRLHF receives, kept or filtered, a prompt's group together: the verdicts
-        # above are made from these. The drop flags leave the sample's logs: a trained sample never has them.
-        logs = response.get("extra_logs") or {}
+        # Called for every sample OpenRLHF receives, kept or filtered, a prompt's group together: the verdicts and
+        # the step's rollout metrics are made from these. Our per-episode numbers then leave the sample's info, so
+        # that OpenRLHF does not log them a second time, averaged over the trained samples only.
         score = response.get("scores")
-        self._seen.append(
-            (
-                None if score is None or score != score else float(score),
-                bool(logs.get("sandbox_failed")),
-                bool(logs.get("prompt_too_long")),
+        stats = {**(response.get("extra_logs") or {}), "reward": math.nan if score is None else float(score)}
+        if missing := [key for key in EPISODE_STATS if key not in stats]:
+            raise ValueError(
+                f"STARE hooks: a sample's extra_logs lacks {missing}: it did not come from stare_agent's executor "
+                "(train.agent_func_path: stare_agent/backends/openrlhf/episodes.py, as `stare-agent rl` sets it)"
             )
-        )
+        self._seen.append(stats)
         experience = super()._process_response_into_experience(response, **generate_kwargs)
-        for key in ("sandbox_failed", "prompt_too_long"):
-            experience.info.pop(key, None)
+        for key in EPISODE_STATS:
+            if key != "reward":  # OpenRLHF's own
+                experience.info.pop(key, None)
         return experience
 
 
