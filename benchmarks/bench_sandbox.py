@@ -67,7 +67,7 @@ import httpx
 import numpy as np
 
 from stare_sandbox.client import KEEPALIVE_S, AsyncSandboxClient, SandboxUnavailable
-from stare_sandbox.kernels import RESET_CODE, PoolSettings
+from stare_sandbox.pool import RESET_CODE, PoolSettings
 
 REPO = Path(__file__).resolve().parent.parent
 

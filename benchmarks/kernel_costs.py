@@ -23,7 +23,7 @@ import time
 from bench_sandbox import descendants  # same directory: run as a script
 
 from stare_sandbox.isolation import detect_isolation
-from stare_sandbox.kernels import RESET_CODE, KernelPool, PoolSettings
+from stare_sandbox.pool import RESET_CODE, KernelPool, PoolSettings
 
 
 def memory_kib(pid: int) -> dict[str, int]:

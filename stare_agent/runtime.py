@@ -25,7 +25,7 @@ def make_client(config: SandboxConfig, concurrent_episodes: int = 0) -> Any:
 
         return AsyncSandboxClient(servers, config.token or os.environ.get("SANDBOX_TOKEN"))
     from stare_sandbox.client import InProcessClient
-    from stare_sandbox.kernels import PoolSettings
+    from stare_sandbox.pool import PoolSettings
 
     max_kernels = max(config.max_kernels, concurrent_episodes + config.pool_size)
     return InProcessClient(PoolSettings(pool_size=config.pool_size, max_kernels=max_kernels))

@@ -19,7 +19,7 @@ from stare_agent.agent import AgentConfig, Sample
 from stare_agent.data import Problem
 from stare_agent.eval import avg_at_k, evaluate, pass_at_k, pass_ks, write_reports
 from stare_sandbox.client import InProcessClient, SandboxUnavailable
-from stare_sandbox.kernels import PoolSettings
+from stare_sandbox.pool import PoolSettings
 
 # --- pass@k and avg@k --------------------------------------------------------------------------------------------
 

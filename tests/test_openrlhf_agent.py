@@ -37,7 +37,7 @@ from stare_agent.backends.openrlhf.episodes import CONFIG_ENV, ReToolExecutor, c
 from stare_agent.batching import EPISODE_STATS
 from stare_agent.config import AgentConfig, ConfigError, RLConfig, RolloutConfig, SandboxConfig
 from stare_sandbox.client import AsyncSandboxClient, InProcessClient
-from stare_sandbox.kernels import PoolSettings
+from stare_sandbox.pool import PoolSettings
 
 PROBLEM = "What is 2**100 mod 7, plus 1?"
 CALL_1 = "First the power.\n<code>\n```python\nx = pow(2, 100, 7)\nprint(x)\n```\n</code>"

@@ -23,7 +23,7 @@ from stare_agent.backends.local import rl
 from stare_agent.config import ConfigError, RLConfig, load_config
 from stare_agent.data import load_problems, write_records
 from stare_agent.step import regime_of
-from stare_agent.tasks import generate_tasks
+from stare_agent.lab.tasks import generate_tasks
 from stare_agent.theory import REGIMES, batch_diagnostics
 
 
@@ -364,7 +364,7 @@ def test_dynamic_sampling_drops_equal_and_sandbox_groups_and_refills(
 
     async def rollouts():
         from stare_sandbox.client import InProcessClient
-        from stare_sandbox.kernels import PoolSettings
+        from stare_sandbox.pool import PoolSettings
 
         async with InProcessClient(PoolSettings(pool_size=1, max_kernels=16)) as client:
             return await trainer.rollouts(rl.TimedClient(client))

@@ -24,15 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from stare_sandbox import sandboxfusion
-from stare_sandbox.kernels import (
-    KernelPool,
-    KernelsBusy,
-    PoolSettings,
-    SandboxError,
-    SessionStore,
-    call_timeout,
-    run_stateless,
-)
+from stare_sandbox.kernel import KernelsBusy, SandboxError
+from stare_sandbox.pool import KernelPool, PoolSettings
 from stare_sandbox.schemas import (
     ErrorResponse,
     ExecuteRequest,
@@ -41,6 +34,7 @@ from stare_sandbox.schemas import (
     RunResult,
     SessionCreated,
 )
+from stare_sandbox.sessions import SessionStore, call_timeout, run_stateless
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 # Error bodies of the routes, for the OpenAPI description of the wire contract.

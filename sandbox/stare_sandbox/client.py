@@ -782,7 +782,8 @@ class InProcessClient:
         max_running: int = 8,
         busy_retries: int = 3,
     ):
-        from stare_sandbox.kernels import KernelPool, PoolSettings, SessionStore
+        from stare_sandbox.pool import KernelPool, PoolSettings
+        from stare_sandbox.sessions import SessionStore
 
         # A call that got no kernel within queue_wait_s never ran its code: wait again, as the HTTP clients
         # retry the service's 503, up to busy_retries more times (a slow machine, not a broken pool).
@@ -806,7 +807,8 @@ class InProcessClient:
         return await self._guard(lambda: self._until_a_kernel(self.sessions.create))
 
     async def execute(self, code: str, session_id: str | None = None, timeout_s: float | None = None) -> RunResult:
-        from stare_sandbox.kernels import SandboxError, call_timeout, run_stateless
+        from stare_sandbox.kernel import SandboxError
+        from stare_sandbox.sessions import call_timeout, run_stateless
 
         timeout, capped = call_timeout(self.pool.settings, timeout_s)
         if session_id is not None and not self.sessions.exists(session_id):
@@ -844,7 +846,7 @@ class InProcessClient:
         await self.close()
 
     async def _until_a_kernel(self, call: Callable[[], Awaitable[T]]) -> T:
-        from stare_sandbox.kernels import KernelsBusy
+        from stare_sandbox.kernel import KernelsBusy
 
         for attempt in range(self.busy_retries + 1):
             try:
@@ -856,7 +858,7 @@ class InProcessClient:
 
     @staticmethod
     async def _guard(call: Callable[[], Awaitable[T]]) -> T:
-        from stare_sandbox.kernels import SandboxError
+        from stare_sandbox.kernel import SandboxError
 
         try:
             return await call()

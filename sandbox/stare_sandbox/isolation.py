@@ -41,7 +41,7 @@ Caps, where cgroups work (`detect_isolation` probes; root is needed; `Isolation.
   their CPU time for the per-call cap, and a way to find and kill them all;
 - without cgroups, only the per-process rlimits bound memory, and a call's CPU time is that of the
   processes in the kernel's session (a process that calls setsid() escapes the count).
-The per-call caps themselves (CPU seconds, scratch quota) are enforced by the pool (kernels.Kernel.execute).
+The per-call caps themselves (CPU seconds, scratch quota) are enforced by the pool (kernel.Kernel.execute).
 
 Not isolated, in any mode:
 - everything world-readable on the host stays readable (read-only, not hidden), except that a

@@ -48,7 +48,8 @@ from stare_sandbox.isolation import (
     scratch_prefix,
     usable_cgroups,
 )
-from stare_sandbox.kernels import KernelPool, PoolSettings, SessionStore, run_stateless
+from stare_sandbox.pool import KernelPool, PoolSettings
+from stare_sandbox.sessions import SessionStore, run_stateless
 
 SECRET = "STARE_SECRET_TOKEN"
 TEST_LIMITS = Limits(memory_mb=2048, processes=48, file_size_mb=8, open_files=200)

@@ -24,11 +24,13 @@ import pytest
 from procs import _stat, alive, cmdline, descendants, processes_tied_to  # tests/procs.py
 
 import stare_sandbox.isolation as isolation
-import stare_sandbox.kernels as kernels
+import stare_sandbox.pool as pool_module
 from stare_sandbox.client import InProcessClient, SandboxClient, SandboxUnavailable
 from stare_sandbox.isolation import _PDEATHSIG_EXEC, Limits, detect_isolation
-from stare_sandbox.kernels import KernelPool, KernelsBusy, PoolSettings, SandboxError, run_stateless
+from stare_sandbox.kernel import Kernel, KernelsBusy, SandboxError
+from stare_sandbox.pool import KernelPool, PoolSettings
 from stare_sandbox.schemas import RunResult
+from stare_sandbox.sessions import SessionStore, run_stateless
 
 REPO = Path(__file__).resolve().parents[2]
 DEATH_S = 5.0  # how long a kernel may take to die after its owner (measured: well under 0.1 s)
@@ -109,7 +111,7 @@ POOL_OWNER = """
 import asyncio, sys
 from pathlib import Path
 from stare_sandbox.client import InProcessClient
-from stare_sandbox.kernels import PoolSettings
+from stare_sandbox.pool import PoolSettings
 
 async def main(root: Path, isolation: str, ready: Path) -> None:
     # pool_size 3: the kernel lent to the running call counts towards it (it comes back), so 2 stay ready
@@ -237,7 +239,8 @@ def test_a_pool_never_started_leaves_nothing(private_tmp):
 # it cancels the tasks: close() never finishes, and only the exit-time fallback can remove the scratch dirs.
 ABANDONED_OWNER = """
 import asyncio
-from stare_sandbox.kernels import KernelPool, PoolSettings, run_stateless
+from stare_sandbox.pool import KernelPool, PoolSettings
+from stare_sandbox.sessions import run_stateless
 
 async def main() -> None:
     pool = KernelPool(PoolSettings(pool_size=2, max_kernels=4))
@@ -309,7 +312,7 @@ def test_kernels_run_without_a_heartbeat_thread():
 def test_a_cancellation_that_arrives_as_the_awaited_work_finishes_is_not_lost():
     """A signal stops the command even when it lands in the loop turn in which a kernel became ready: Python
     3.11's wait_for would return the kernel and drop the cancellation. What was taken is handed back first."""
-    from stare_sandbox.kernels import _wait_for
+    from stare_sandbox.pool import _wait_for
 
     async def go() -> tuple[bool, list[int]]:
         ready = asyncio.get_running_loop().create_future()
@@ -412,7 +415,7 @@ def test_the_pool_refills_to_its_target_in_the_background_after_a_burst():
 def test_the_pool_shrinks_back_to_pool_size_after_a_burst_of_reusable_kernels(monkeypatch):
     """Kernels that serve many runs (stateless_reuse) come back after a reset; those a burst made start beyond
     pool_size retire then instead of staying ready (and alive) for good."""
-    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # none retires by its own (random) limit here
+    monkeypatch.setattr(pool_module, "reuse_limit", lambda n: n)  # none retires by its own (random) limit here
 
     async def go() -> tuple[int, int]:
         pool = KernelPool(PoolSettings(pool_size=1, max_kernels=8, max_starting=2, stateless_reuse=50))
@@ -442,7 +445,7 @@ def test_a_pool_without_cgroups_never_probes_the_cgroup_tree(monkeypatch):
         raise AssertionError("the cgroup tree was probed although pool.cgroups is off")
 
     monkeypatch.setattr(isolation, "usable_cgroups", probe)
-    monkeypatch.setattr(kernels, "usable_cgroups", probe)
+    monkeypatch.setattr(pool_module, "usable_cgroups", probe)
 
     async def go() -> tuple[KernelPool, RunResult]:
         pool = KernelPool(PoolSettings(pool_size=1, max_kernels=2, cgroups=False, limits=Limits(call_cpu_s=5)))
@@ -479,7 +482,7 @@ def test_the_uid_range_is_given_up_even_when_a_clean_up_step_fails(monkeypatch):
     def fail(prefix: str) -> int:
         raise OSError("injected failure")
 
-    monkeypatch.setattr(kernels, "kill_processes_with_home", fail)
+    monkeypatch.setattr(pool_module, "kill_processes_with_home", fail)
 
     async def go() -> Path:
         pool = KernelPool(PoolSettings(pool_size=0, max_kernels=2, isolation="process", cgroups=False))
@@ -507,7 +510,7 @@ def test_warm_up_and_reset_are_not_held_to_the_per_call_caps(monkeypatch):
     monkeypatch.setattr(isolation.KernelMeter, "cpu_seconds", counted("cpu", cpu))
     monkeypatch.setattr(isolation.KernelMeter, "scratch_bytes", counted("scratch", scratch))
 
-    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # the kernel is reset, not replaced
+    monkeypatch.setattr(pool_module, "reuse_limit", lambda n: n)  # the kernel is reset, not replaced
 
     async def go() -> tuple[dict, dict, dict]:
         limits = Limits(call_cpu_s=5, scratch_mb=64)
@@ -641,7 +644,7 @@ def test_the_in_process_client_waits_again_when_no_kernel_came_in_time():
 # --- dead kernels: never handed out, never signalled by a recycled id --------------------------------
 
 
-async def kill_and_wait(kernel: kernels.Kernel) -> None:
+async def kill_and_wait(kernel: Kernel) -> None:
     """SIGKILL the kernel's process (process isolation: the kernel itself) and wait until it has exited."""
     os.kill(kernel.process.pid, signal.SIGKILL)
     deadline = time.monotonic() + DEATH_S
@@ -656,7 +659,7 @@ def test_a_ready_kernel_that_died_is_replaced_not_handed_out():
 
     async def go() -> list[tuple[str, str]]:
         pool = KernelPool(PoolSettings(pool_size=1, max_kernels=4, isolation="process"))
-        sessions = kernels.SessionStore(pool, max_sessions=4, idle_s=600)
+        sessions = SessionStore(pool, max_sessions=4, idle_s=600)
         await pool.start()
 
         async def in_a_session() -> RunResult:
@@ -683,11 +686,11 @@ def test_retirements_are_counted_by_cause_and_a_lent_kernel_that_comes_back_has_
     """Each way a kernel leaves a running pool is counted under its own cause (/healthz, /metrics): its reuse limit
     served, its death found after a call, a failed reset, its session closed. A stateless run that is not its
     kernel's last starts no successor (the kernel comes back): no start, no surplus retirement."""
-    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # a kernel retires after exactly stateless_reuse runs
+    monkeypatch.setattr(pool_module, "reuse_limit", lambda n: n)  # a kernel retires after exactly stateless_reuse runs
 
     async def go() -> list[tuple[dict[str, int], int]]:
         pool = KernelPool(PoolSettings(pool_size=1, max_kernels=4, isolation="process", stateless_reuse=3))
-        sessions = kernels.SessionStore(pool, max_sessions=4, idle_s=600)
+        sessions = SessionStore(pool, max_sessions=4, idle_s=600)
         await pool.start()
         seen = []
 
@@ -707,7 +710,7 @@ def test_retirements_are_counted_by_cause_and_a_lent_kernel_that_comes_back_has_
             await sessions.close(session)
             await wait_settled(pool, 1)
             note()
-            monkeypatch.setattr(kernels, "RESET_CODE", "raise RuntimeError('no reset')\n")
+            monkeypatch.setattr(pool_module, "RESET_CODE", "raise RuntimeError('no reset')\n")
             assert (await run_stateless(pool, "print(4)", 30)).stdout == "4\n"
             await wait_settled(pool, 1)
             note()
@@ -727,7 +730,7 @@ def test_retirements_are_counted_by_cause_and_a_lent_kernel_that_comes_back_has_
 def test_a_call_waiting_on_a_pool_whose_kernel_is_being_reset_gets_that_kernel_and_starts_none(monkeypatch):
     """Every kernel lent (pool_size 1, one call ran): a call that comes while the kernel is being reset waits for
     it, and no kernel starts on its account (one did, and then came back to stay or retired as surplus)."""
-    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)
+    monkeypatch.setattr(pool_module, "reuse_limit", lambda n: n)
 
     async def go() -> tuple[int, int, int, int, dict[str, int]]:
         pool = KernelPool(PoolSettings(pool_size=1, max_kernels=4, isolation="process", stateless_reuse=10))
@@ -766,7 +769,7 @@ def test_a_saturated_pool_serves_a_steady_stateless_load_with_the_kernels_it_has
     reset, calls keep waiting for one, and the pool's kernels serve them all. A kernel starts only to succeed one
     that served its `reuse` runs, and none retires as surplus. (A call waiting for a reset, a kernel handed to a
     call not yet resumed, and a call waiting while a successor starts each started one more.)"""
-    monkeypatch.setattr(kernels, "reuse_limit", lambda n: n)  # each kernel retires after exactly `reuse` runs
+    monkeypatch.setattr(pool_module, "reuse_limit", lambda n: n)  # each kernel retires after exactly `reuse` runs
 
     async def go() -> tuple[int, dict[str, int], list[str]]:
         settings = PoolSettings(pool_size=2, max_kernels=8, isolation="process", stateless_reuse=reuse)
@@ -840,8 +843,8 @@ def test_a_dead_kernels_group_is_signalled_only_while_its_id_cannot_be_reused(mo
 def test_kernels_reuse_limits_spread_over_the_whole_range():
     """Each kernel's limit of stateless runs is its own draw from [1, n]: kernels started together (a pool's first
     ones) then retire at times spread over a kernel's whole life, not within a few seconds of each other."""
-    limits = [kernels.reuse_limit(100) for _ in range(2000)]
+    limits = [pool_module.reuse_limit(100) for _ in range(2000)]
     assert min(limits) >= 1 and max(limits) <= 100
     assert sum(limit <= 25 for limit in limits) > 300  # about a quarter; none with draws from [n/2, n]
     assert sum(limit > 75 for limit in limits) > 300
-    assert kernels.reuse_limit(0) == 0  # a fresh kernel every run
+    assert pool_module.reuse_limit(0) == 0  # a fresh kernel every run

@@ -25,7 +25,7 @@ from stare_sandbox.client import (
     SandboxUnavailable,
     SessionNotFound,
 )
-from stare_sandbox.kernels import PoolSettings
+from stare_sandbox.pool import PoolSettings
 
 REPO = Path(__file__).resolve().parents[2]
 

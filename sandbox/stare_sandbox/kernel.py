@@ -1,0 +1,353 @@
+"""One Jupyter kernel for model-written code: its process, its client, its scratch dir, and a call on it.
+
+A call runs under its wall-clock timeout and the per-call caps (`_CallCaps`: CPU seconds, the kernel's memory,
+the scratch quota). A kernel that goes over one, dies, or does not stop when interrupted is marked dead, and its
+pool (pool.py) replaces it. The fences around the kernel's processes are those of `stare_sandbox.isolation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import queue
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stare_sandbox.isolation import (
+    UID_BASE,
+    UID_RANGE_SIZE,
+    Cgroups,
+    KernelMeter,
+    Limits,
+    range_group,
+    remove_scratch,
+)
+from stare_sandbox.schemas import ErrorInfo, RunResult
+
+if TYPE_CHECKING:
+    from jupyter_client import AsyncKernelManager
+
+    from stare_sandbox.pool import PoolSettings
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class SandboxError(RuntimeError):
+    """The service could not run the code (as opposed to the code failing)."""
+
+
+class KernelsBusy(SandboxError):
+    """No kernel became ready within queue_wait_s: the call never ran, and may be retried later."""
+
+
+class _Capture:
+    """Keeps the first and last `limit // 2` characters of a stream, so huge output costs bounded memory."""
+
+    def __init__(self, limit: int):
+        self.half = limit // 2
+        self.head: list[str] = []
+        self.head_len = 0
+        self.tail = ""
+        self.total = 0
+
+    def add(self, text: str) -> None:
+        self.total += len(text)
+        if self.head_len < self.half:
+            take = text[: self.half - self.head_len]
+            self.head.append(take)
+            self.head_len += len(take)
+            text = text[len(take) :]
+        if text:
+            self.tail = (self.tail + text)[-self.half :]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > 2 * self.half
+
+    def text(self) -> str:
+        head = "".join(self.head)
+        if not self.truncated:
+            return head + self.tail[: self.total - self.head_len]
+        cut = self.total - len(head) - len(self.tail)
+        return f"{head}\n... [{cut} characters cut] ...\n{self.tail}"
+
+
+CAP_CHECK_S = 0.5
+"""How often a running call's CPU time, its kernel's OOM kills and scratch size are checked against the caps."""
+
+
+class _CallCaps:
+    """The caps of one call on one kernel (Limits: call_cpu_s, kernel_memory_mb, scratch_mb), measured by KernelMeter.
+
+    A call over a cap gets a result naming it, and its kernel is killed at once and marked dead, so the caller
+    replaces it: the kernel's memory, CPU and scratch files (the quota's bytes) are freed with it.
+    """
+
+    def __init__(self, kernel: Kernel, meter: KernelMeter, limits: Limits, cpu_cap: float, cpu_start: float):
+        self.kernel, self.meter, self.limits = kernel, meter, limits
+        self.cpu_cap, self.cpu_start = cpu_cap, cpu_start
+        self.oom_start = meter.oom_kills()
+
+    @classmethod
+    async def begin(cls, kernel: Kernel, timeout_s: float, limits: Limits) -> _CallCaps:
+        process = kernel.process
+        first_uid = UID_BASE + kernel.slot - kernel.slot % UID_RANGE_SIZE  # of the pool's range (KernelPool._start)
+        meter = KernelMeter(
+            kernel.scratch, process.pid if process is not None else None, range_group(first_uid), kernel.cgroups
+        )
+        # Its processes cannot use more CPU than the wall time times the cores: then the timeout comes first,
+        # and the CPU time (a scan of /proc without a cgroup) is never read.
+        cpu_cap = limits.call_cpu_s
+        if cpu_cap and timeout_s * len(os.sched_getaffinity(0)) <= cpu_cap:
+            cpu_cap = 0.0
+        cpu_start = await asyncio.to_thread(meter.cpu_seconds) if cpu_cap else 0.0
+        return cls(kernel, meter, limits, cpu_cap, cpu_start)
+
+    async def exceeded(self, *, during: bool) -> tuple[str, ErrorInfo] | None:
+        """(status, error) if the call went over a cap, after killing the kernel; else None."""
+        over = self.memory_exceeded()
+        if over is None and during and self.cpu_cap:
+            used = await asyncio.to_thread(self.meter.cpu_seconds) - self.cpu_start
+            if used > self.cpu_cap:
+                over = (
+                    "timeout",
+                    ErrorInfo(
+                        name="CPULimit",
+                        message=f"the call used more than {self.cpu_cap:g} CPU seconds (all the kernel's processes "
+                        "together; limits.call_cpu_s); the kernel was stopped and replaced, so all variables are lost",
+                    ),
+                )
+        if over is None and self.limits.scratch_mb:
+            held = await asyncio.to_thread(self.meter.scratch_bytes)
+            if held > self.limits.scratch_mb * 2**20:
+                over = (
+                    "error",
+                    ErrorInfo(
+                        name="ScratchQuota",
+                        message=f"the working directory held {held / 2**20:.0f} MiB, over the quota of "
+                        f"{self.limits.scratch_mb} MiB (limits.scratch_mb); the kernel was stopped and its files "
+                        "removed, so all variables and files are lost",
+                    ),
+                )
+        if over is not None:
+            self.kernel.dead = True
+            await asyncio.to_thread(self.meter.kill)
+        return over
+
+    def memory_exceeded(self) -> tuple[str, ErrorInfo] | None:
+        """(status, error) if the kernel's cgroup hit its memory limit during the call (its OOM killer struck)."""
+        if self.meter.oom_kills() <= self.oom_start:
+            return None
+        return "memory", ErrorInfo(
+            name="MemoryLimit",
+            message=f"the kernel's processes together went over {self.limits.kernel_memory_mb} MiB of memory "
+            "(limits.kernel_memory_mb) and one was killed; the kernel was stopped and replaced, so all variables "
+            "are lost",
+        )
+
+
+class Kernel:
+    """One kernel process, its client and its scratch directory."""
+
+    def __init__(self, manager: AsyncKernelManager, scratch: Path, slot: int, cgroups: Cgroups | None = None):
+        self.manager = manager
+        self.cgroups = cgroups  # its pool's kernel cgroups, if kernels get one
+        self.client = manager.client(context=manager.context)
+        self.scratch = scratch
+        self.slot = slot
+        self.runs = 0  # stateless runs served, resets and warm-up not counted
+        self.reuse_limit = 0  # stateless runs before replacement; set by the pool
+        self.lent = False  # out for one stateless run, after which it comes back (counted by the pool as coming)
+        self.dead = False
+        self.closing = False  # shutdown() was called
+        self._stopping = asyncio.Lock()
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The kernel's first process, the leader of its own session and process group (jupyter_client's
+        LocalProvisioner starts it); None before the start and once jupyter_client has reaped it."""
+        return getattr(getattr(self.manager, "provisioner", None), "process", None)
+
+    def exited(self) -> bool:
+        """Whether the kernel's first process has exited (or never started), without reaping it.
+
+        Unreaped, its pid stays taken, so the signals sent to its process group (interrupt, caps, shutdown) reach
+        the kernel's processes only; Popen.poll(), which jupyter_client's is_alive() uses, reaps it and frees the
+        id for the next new process.
+        """
+        process = self.process
+        if process is None or process.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped by someone else
+            return True
+
+    async def execute(self, code: str, timeout_s: float, settings: PoolSettings, *, user: bool = True) -> RunResult:
+        """Run `code`; never raises for anything the code does.
+
+        The per-call caps (settings.limits: call_cpu_s, kernel_memory_mb through the kernel's cgroup, scratch_mb)
+        are checked every CAP_CHECK_S while the code runs and, but CPU, once after; a call over one is stopped and
+        the kernel killed (the caller replaces it, which also removes its files). Our own code (`user=False`:
+        warm-up, reset) is held to the memory cap only: without cgroups, reading CPU time scans all of /proc.
+        """
+        started = time.perf_counter()
+        stdout, stderr = _Capture(settings.output_limit_chars), _Capture(settings.output_limit_chars)
+        limits = settings.limits if user else dataclasses.replace(settings.limits, call_cpu_s=0.0, scratch_mb=0)
+        caps = await _CallCaps.begin(self, timeout_s, limits)
+        # stop_on_error=False: otherwise ipykernel may answer "aborted" to the call after an error or interrupt.
+        msg_id = self.client.execute(code, silent=False, store_history=False, allow_stdin=False, stop_on_error=False)
+        error: ErrorInfo | None = None
+        status = "ok"
+        deadline = time.monotonic() + timeout_s
+        interrupted_at: float | None = None
+        next_check = time.monotonic() + CAP_CHECK_S
+        while True:
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + CAP_CHECK_S
+                if (over := await caps.exceeded(during=True)) is not None:
+                    status, error = over
+                    break
+            if interrupted_at is None and now >= deadline:
+                interrupted_at = now
+                await self._interrupt()
+            if interrupted_at is not None and now >= interrupted_at + settings.interrupt_grace_s:
+                self.dead = True  # stuck (e.g. in C code): the caller replaces the kernel
+                status, error = (
+                    "timeout",
+                    ErrorInfo(
+                        name="Timeout",
+                        message=f"no result within {timeout_s:g}s; the kernel did not stop when interrupted and was "
+                        "restarted, so all variables are lost",
+                    ),
+                )
+                break
+            try:
+                msg = await self.client.get_iopub_msg(timeout=0.1)
+            except asyncio.CancelledError:
+                # shutdown() stopped the channels under this call (the pool is closing): that cancels the poll,
+                # but the caller asked for no cancellation and gets a result
+                if not self.closing or _cancel_requested():
+                    raise
+                self.dead = True
+                message = "the sandbox shut down while this code ran; its kernel was stopped"
+                elapsed = (time.perf_counter() - started) * 1000
+                return RunResult(
+                    status="sandbox_error", error=ErrorInfo(name="SandboxClosed", message=message), duration_ms=elapsed
+                )
+            except queue.Empty:
+                if self.exited():
+                    self.dead = True
+                    await asyncio.to_thread(caps.meter.kill)  # what the kernel started dies with it, also here
+                    status, error = caps.memory_exceeded() or (
+                        "sandbox_error",
+                        ErrorInfo(
+                            name="KernelDied",
+                            message="the kernel process exited while running this code (e.g. a crash or os._exit); "
+                            "all variables are lost and the next call runs on a fresh kernel",
+                        ),
+                    )
+                    break
+                continue
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                (stdout if content.get("name") == "stdout" else stderr).add(content.get("text", ""))
+            elif kind in ("execute_result", "display_data"):
+                text = content.get("data", {}).get("text/plain")
+                if text is not None and kind == "execute_result":
+                    stdout.add(text + "\n")
+            elif kind == "error":
+                name = content.get("ename", "Error")
+                traceback = ANSI.sub("", "\n".join(content.get("traceback", [])))
+                error = ErrorInfo(name=name, message=content.get("evalue", ""), traceback=traceback)
+                if interrupted_at is not None and name == "KeyboardInterrupt":
+                    status = "timeout"
+                    error = ErrorInfo(
+                        name="Timeout",
+                        message=f"no result within {timeout_s:g}s; interrupted (variables are kept)",
+                        traceback=traceback,
+                    )
+                elif "MemoryError" in name:
+                    status = "memory"
+                else:
+                    status = "error"
+            elif kind == "status" and content.get("execution_state") == "idle":
+                break
+        if not self.dead and (over := await caps.exceeded(during=False)) is not None:
+            status, error = over
+        await self._drain_shell()
+        return RunResult(
+            status=status,
+            stdout=stdout.text(),
+            stderr=stderr.text(),
+            error=error,
+            truncated=stdout.truncated or stderr.truncated,
+            duration_ms=(time.perf_counter() - started) * 1000,
+        )
+
+    async def _drain_shell(self) -> None:
+        """Read the execute replies we do not need (iopub carries everything), so they do not pile up."""
+        with contextlib.suppress(Exception):
+            while True:
+                await self.client.get_shell_msg(timeout=0)
+
+    async def _interrupt(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.manager.interrupt_kernel()
+
+    async def shutdown(self) -> None:
+        """Kill the kernel's processes and remove its scratch dir. Calls wait for one another, and a later call
+        does the work again: a kernel whose start was still launching it at the first call is killed by the next.
+        """
+        self.closing = True
+        async with self._stopping:
+            with contextlib.suppress(Exception):
+                self.client.stop_channels()
+            heartbeat = getattr(self.client, "_hb_channel", None)  # a thread: must not outlive the context below
+            if heartbeat is not None and heartbeat.is_alive():  # stop_channels failed before reaching it
+                with contextlib.suppress(Exception):
+                    heartbeat.stop()
+            if self.manager.has_kernel:
+                with contextlib.suppress(Exception):
+                    await self._stop_process()
+            remove_scratch(self.scratch)
+            # Frees the kernel's sockets, in this (the event loop's) thread: its asyncio sockets are registered
+            # with this loop, and destroying the context from another thread left ~1000 file descriptors open
+            # (measured) until zmq ran out of sockets. The heartbeat thread was stopped above.
+            with contextlib.suppress(Exception):
+                self.manager.context.destroy(linger=0)
+
+    async def _stop_process(self) -> None:
+        if self.process.returncode is None:  # alive, or exited but not reaped: its group id is still the kernel's
+            await self.manager.shutdown_kernel(now=True)  # SIGINT, then SIGKILL to the group; reaps it
+            return
+        # Reaped already (jupyter_client's wait_for_ready polls it while it starts): shutdown_kernel would still
+        # signal its group id, which a new process may hold by now. Forget the process and free the rest.
+        await self.manager.provisioner.wait()
+        await self.manager.cleanup_resources()
+
+    def kill_now(self) -> None:
+        """`shutdown` without an event loop: SIGKILL the kernel's process group, reap it, remove the scratch dir."""
+        process = self.process
+        if process is not None:
+            if process.returncode is None:  # not reaped yet: the group id is still its own (see _stop_process)
+                with contextlib.suppress(OSError):
+                    os.killpg(process.pid, signal.SIGKILL)  # its own group: jupyter_client starts it in a new session
+            with contextlib.suppress(Exception):
+                process.wait(timeout=5)
+        remove_scratch(self.scratch)
+
+
+def _cancel_requested() -> bool:
+    """Whether the current task is being cancelled (Python 3.11 tells; before, assume it is)."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return cancelling is None or cancelling() > 0

@@ -1,0 +1,108 @@
+"""Stateful sessions, each holding one kernel of the pool, and the stateless run on a pooled kernel.
+
+A session's kernel keeps its variables across calls until the session is closed, expires or its kernel dies
+(the next call then gets a fresh kernel). Knows nothing about HTTP: the service (app.py) and the in-process
+client (inprocess.py) both call these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from stare_sandbox.kernel import Kernel, SandboxError
+from stare_sandbox.pool import KernelPool, PoolSettings
+from stare_sandbox.schemas import RunResult
+
+
+@dataclass
+class Session:
+    kernel: Kernel | None
+    """None after its kernel died: the next call takes a new one (its slot may be the only one: max_kernels)."""
+    last_used: float
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class SessionStore:
+    """Stateful sessions: one kernel each, closed on request, on expiry and at shutdown."""
+
+    def __init__(self, pool: KernelPool, max_sessions: int, idle_s: float):
+        self.pool = pool
+        self.max_sessions = max_sessions
+        self.idle_s = idle_s
+        self._sessions: dict[str, Session] = {}
+        self._opening = 0  # sessions waiting for their kernel: they count against max_sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def create(self, wait_s: float | None = None) -> str:
+        """A new session's id, once it has a kernel (waiting `wait_s`, default queue_wait_s: else KernelsBusy)."""
+        if len(self._sessions) + self._opening >= self.max_sessions:
+            raise SandboxError(f"the session limit ({self.max_sessions}) is reached")
+        self._opening += 1
+        try:
+            kernel = await self.pool.acquire(wait_s)
+        finally:
+            self._opening -= 1
+        session_id = uuid.uuid4().hex
+        self._sessions[session_id] = Session(kernel, time.monotonic())
+        return session_id
+
+    def exists(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    async def execute(self, session_id: str, code: str, timeout_s: float, wait_s: float | None = None) -> RunResult:
+        """Run `code` in the session; a session whose kernel died first waits `wait_s` for a new one (KernelsBusy)."""
+        session = self._sessions[session_id]
+        async with session.lock:
+            session.last_used = time.monotonic()
+            if session.kernel is None:  # KernelsBusy here: the code has not run, the call may be retried
+                session.kernel = await self.pool.acquire(wait_s)
+            result = await session.kernel.execute(code, timeout_s, self.pool.settings)
+            if session.kernel.dead:
+                # Its slot is freed first and a new kernel taken only by the next call: acquiring one here could
+                # wait for the very slot the dead kernel holds (max_kernels) and lose this call's result.
+                dead, session.kernel = session.kernel, None
+                await self.pool.discard(dead, "died")
+            session.last_used = time.monotonic()
+            return result
+
+    async def close(self, session_id: str) -> bool:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        async with session.lock:
+            if session.kernel is not None:
+                await self.pool.discard(session.kernel, "session")
+        return True
+
+    async def expire(self) -> int:
+        cutoff = time.monotonic() - self.idle_s
+        stale = [sid for sid, s in self._sessions.items() if s.last_used < cutoff and not s.lock.locked()]
+        for sid in stale:
+            await self.close(sid)
+        return len(stale)
+
+    async def close_all(self) -> None:
+        await asyncio.gather(*(self.close(sid) for sid in list(self._sessions)), return_exceptions=True)
+
+
+def call_timeout(settings: PoolSettings, requested: float | None) -> tuple[float, bool]:
+    """The limit a call runs under: its own timeout_s or the default, capped at max_timeout_s; and whether capped."""
+    wanted = requested or settings.default_timeout_s
+    return min(wanted, settings.max_timeout_s), wanted > settings.max_timeout_s
+
+
+async def run_stateless(pool: KernelPool, code: str, timeout_s: float, wait_s: float | None = None) -> RunResult:
+    kernel = await pool.acquire(wait_s, stateless=True)
+    kernel.runs += 1
+    try:
+        return await kernel.execute(code, timeout_s, pool.settings)
+    except BaseException:
+        kernel.dead = True  # cancelled mid-run, the code may still be running: replace the kernel, do not reset it
+        raise
+    finally:
+        pool.give_back_later(kernel)
