@@ -34,12 +34,12 @@ from stare_sandbox.configfile import fields_of
 
 # Commands that take a config: name -> (root config class, module whose run(config) executes it).
 COMMANDS: dict[str, tuple[type, str]] = {
-    "simulate": (SimulateConfig, "stare_agent.lab.simulate"),
+    "simulate": (SimulateConfig, "stare_agent.simulate"),
     "sft": (SFTConfig, "stare_agent.backends.local.sft"),
     "rl": (RLConfig, "stare_agent.backends.local.rl"),
     "eval": (EvalConfig, "stare_agent.backends.local.evaluate"),
-    "quickstart": (QuickstartConfig, "stare_agent.lab.quickstart"),
-    "experiment": (ExperimentConfig, "stare_agent.lab.experiment"),
+    "quickstart": (QuickstartConfig, "stare_agent.backends.local.quickstart"),
+    "experiment": (ExperimentConfig, "stare_agent.backends.local.experiment"),
 }
 CONFIGS: dict[str, type] = {name: config_class for name, (config_class, _) in COMMANDS.items()}
 
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_data_parser(sub: argparse._SubParsersAction) -> None:
-    from stare_agent.lab.tasks import FAMILIES
+    from stare_agent.tasks import FAMILIES
 
     data = sub.add_parser("data", help="make synthetic task sets and tool-use SFT transcripts")
     tools = data.add_subparsers(dest="data_command", required=True, metavar="TOOL")
@@ -183,7 +183,7 @@ def _data(args: argparse.Namespace) -> int:
     import os
 
     from stare_agent.data import write_records
-    from stare_agent.lab.tasks import generate_tasks, make_sft_rows
+    from stare_agent.tasks import generate_tasks, make_sft_rows
 
     try:
         problems = generate_tasks(
@@ -248,7 +248,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from stare_agent.lab import plots
+    from stare_agent import plots
 
     try:
         written = plots.main(args.run_dir, args.target_entropy)
