@@ -34,7 +34,7 @@ Enforced only in "namespaces" mode (root and util-linux `unshare` needed; `detec
   exclusively on this host (stare_sandbox.ownership), so no other sandbox's kernel ever has the same uid.
 
 Caps, where cgroups work (`detect_isolation` probes; root is needed; `Isolation.cgroup` says which):
-- each kernel of a pool gets its own cgroup (`KernelCgroup`: v2, or v1 memory + cpuacct) in a dir of its
+- each kernel of a pool gets its own cgroup (`cgroups.KernelCgroup`: v2, or v1 memory + cpuacct) in a dir of its
   pool's uid range under a "stare-sandbox" dir in the server's own cgroup, joined by the launcher before
   anything else, so every process the kernel starts is in it, also those that leave its session: a memory
   limit for all of them together (`Limits.kernel_memory_mb`, swap included where the host accounts it),
@@ -62,7 +62,7 @@ file system (so kernels can read each other's scratch dirs and connection files)
 all processes of that uid (root is exempt from it entirely), and a kernel's children can outlive it
 (the kernel itself dies with the server; ipykernel's parent poller also ends it within a second, also
 where there is no parent-death signal) until the pool closes (with cgroups) or the next owner of the
-pool's uid range ends them (by cgroup, or by their HOME: `kill_processes_with_home`).
+pool's uid range ends them (by cgroup, or by their HOME: `processes.kill_processes_with_home`).
 """
 
 from __future__ import annotations
@@ -73,45 +73,35 @@ import functools
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from stare_sandbox.cgroups import Cgroups, KernelCgroup, range_group, usable_cgroups
+from stare_sandbox.processes import session_cpu_seconds
+
 __all__ = [
     "UID_BASE",
     "UID_RANGE_SIZE",
-    "Cgroups",
     "Isolation",
     "IsolationMode",
-    "KernelCgroup",
+    "KernelMeter",
     "Limits",
-    "cgroup_problem",
     "detect_isolation",
-    "find_cgroups",
     "kernel_argv",
     "kernel_env",
-    "KernelMeter",
-    "kill_processes_with_home",
-    "kill_uid_processes",
     "make_scratch",
-    "prepare_cgroups",
-    "range_group",
-    "remove_cgroup_dirs",
     "remove_scratch",
     "scratch_bytes",
-    "session_cpu_seconds",
-    "sweep_cgroups",
-    "usable_cgroups",
+    "scratch_prefix",
 ]
+
 
 UID_BASE = 61000
 """Kernels run as uid (and gid) UID_BASE + slot, the slot chosen by the caller; no passwd entry needed. A pool's
@@ -431,323 +421,6 @@ def scratch_bytes(path: Path) -> int:
     return total
 
 
-def kill_uid_processes(uids: int | range) -> int:
-    """SIGKILL every process whose real uid is `uids` (or in that range) visible here; returns how many were killed.
-
-    A kernel's processes all die with it in namespace mode, and the kernel dies with its server; this is
-    for a kernel left behind all the same (see "Not isolated" above): stare_sandbox.ownership calls it for the
-    whole uid range a pool takes over.
-    """
-    wanted = range(uids, uids + 1) if isinstance(uids, int) else uids
-    if 0 in wanted or os.getuid() in wanted:
-        raise ValueError(f"refusing to kill the processes of uid {uids} (root or the server's own uid)")
-    return _kill_until_gone(lambda: [pid for pid, uid in _process_uids() if uid in wanted])
-
-
-def _kill_until_gone(find: Callable[[], list[int]]) -> int:
-    killed = 0
-    for _ in range(20):  # the processes may still be forking while we kill
-        pids = find()
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-    return killed
-
-
-def _process_uids() -> list[tuple[int, int]]:
-    """(pid, real uid) of every live process; zombies are already dead (their parent has yet to reap them)."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/status") as status:
-                fields = dict(line.split(":", 1) for line in status if ":" in line)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        # Uid: real effective saved fs
-        if not fields["State"].strip().startswith("Z"):
-            found.append((int(entry.name), int(fields["Uid"].split()[0])))
-    return found
-
-
-def kill_processes_with_home(prefix: str) -> int:
-    """SIGKILL every process of this uid (but this one) whose HOME starts with `prefix`; returns how many.
-
-    For what a process-mode kernel started and left behind: its children keep the kernel's environment, whose
-    HOME is its scratch dir, unless they changed it (cgroups catch those too, where they work).
-    """
-    me = os.getpid()
-
-    def find() -> list[int]:
-        pids = []
-        for pid, uid in _process_uids():
-            if uid != os.getuid() or pid == me:
-                continue
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            home = next((v[5:] for v in environ if v.startswith(b"HOME=")), b"")
-            if home.startswith(os.fsencode(prefix)):
-                pids.append(pid)
-        return pids
-
-    return _kill_until_gone(find)
-
-
-def session_cpu_seconds(session: int) -> float:
-    """CPU seconds (user + system, with those of reaped children) of the processes in session `session`.
-
-    The per-call CPU measure where a kernel has no cgroup: jupyter_client starts each kernel in its own session.
-    """
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if int(fields[3]) == session:  # fields[k] is field k+3 of proc(5): session, then utime .. cstime
-            total += sum(int(x) for x in fields[11:15])
-    return total / tick
-
-
-# --- cgroups -----------------------------------------------------------------------------------------
-
-CGROUP_DIR = "stare-sandbox"
-"""The dir made under this process's own cgroup (in each hierarchy used) that holds its kernels' cgroups."""
-
-
-@dataclass(frozen=True)
-class Cgroups:
-    """Where this process's kernels get their cgroups."""
-
-    version: Literal["v1", "v2"]
-    memory: Path
-    """CGROUP_DIR in the hierarchy with the memory controller."""
-    cpu: Path
-    """CGROUP_DIR in the hierarchy that counts CPU time: cpuacct on v1, the same dir as `memory` on v2."""
-
-    @property
-    def dirs(self) -> tuple[Path, ...]:
-        return (self.memory,) if self.memory == self.cpu else (self.memory, self.cpu)
-
-    def as_dict(self) -> dict[str, str]:
-        return {"version": self.version, "memory": str(self.memory), "cpu": str(self.cpu)}
-
-    @classmethod
-    def from_dict(cls, value: dict) -> Cgroups:
-        return cls(value["version"], Path(value["memory"]), Path(value["cpu"]))
-
-
-def find_cgroups() -> Cgroups | str:
-    """The cgroup dirs this process's kernels would use (made by nobody yet), or why there are none.
-
-    cgroup v2 where this process's cgroup offers the memory and cpu controllers, else cgroup v1 where the memory
-    and cpuacct hierarchies are mounted. The launcher calls this too: a kernel's launcher is still in its
-    server's cgroup when it looks, so both find the same dirs.
-    """
-    if not sys.platform.startswith("linux"):
-        return f"cgroups need Linux; this is {sys.platform}"
-    try:
-        own = {}  # controller ("" for v2) -> this process's cgroup path
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            for controller in controllers.split(","):
-                own[controller] = path
-        mounts = _cgroup_mounts()
-    except OSError as e:
-        return f"cannot read this process's cgroups: {e}"
-    v2 = _in_mount(mounts.get("cgroup2"), own.get(""))
-    if v2 is not None:
-        try:
-            offered = (v2 / "cgroup.controllers").read_text().split()
-        except OSError:
-            offered = []
-        if {"memory", "cpu"} <= set(offered):
-            return Cgroups("v2", v2 / CGROUP_DIR, v2 / CGROUP_DIR)
-    memory = _in_mount(mounts.get("memory"), own.get("memory"))
-    cpu = _in_mount(mounts.get("cpuacct"), own.get("cpuacct"))
-    if memory is not None and cpu is not None:
-        return Cgroups("v1", memory / CGROUP_DIR, cpu / CGROUP_DIR)
-    where = f"cgroup2 at {mounts['cgroup2'][1]} offers no memory controller" if "cgroup2" in mounts else "no cgroup2"
-    return f"{where}, and no cgroup v1 memory and cpuacct hierarchies are mounted"
-
-
-def _cgroup_mounts() -> dict[str, tuple[str, str]]:
-    """The cgroup mounts: "cgroup2", or a v1 controller -> (root of the mount within its hierarchy, mount point)."""
-    mounts = {}
-    with open("/proc/self/mountinfo") as info:
-        for line in info:
-            fields = line.split()
-            dash = fields.index("-")
-            kind, options = fields[dash + 1], fields[dash + 3].split(",")
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-            if kind == "cgroup2":
-                mounts.setdefault("cgroup2", (fields[3], point))
-            elif kind == "cgroup":
-                for controller in {"memory", "cpuacct"} & set(options):
-                    mounts.setdefault(controller, (fields[3], point))
-    return mounts
-
-
-def _in_mount(mount: tuple[str, str] | None, path: str | None) -> Path | None:
-    """Where cgroup `path` of a hierarchy appears under its mount, if it does."""
-    if mount is None or path is None:
-        return None
-    root, point = mount
-    if root == "/":
-        return Path(point) / path.lstrip("/")
-    if path != root and not path.startswith(root + "/"):
-        return None
-    return Path(point) / path[len(root) :].lstrip("/")
-
-
-@functools.lru_cache(maxsize=1)
-def cgroup_problem() -> str | None:
-    """None if kernels can get cgroups here (the dirs are made, a probe cgroup gets a memory limit), else why not."""
-    found = find_cgroups()
-    if isinstance(found, str):
-        return found
-    probe = KernelCgroup(found, f"probe-{os.getpid()}", "kernel")
-    try:
-        prepare_cgroups(found)
-        probe.create(256 * 2**20)
-    except OSError as e:
-        return f"cannot use cgroup {found.version} at {found.memory}: {e}"
-    finally:
-        sweep_cgroups(found, probe.group)
-    return None
-
-
-def prepare_cgroups(cgroups: Cgroups) -> None:
-    """Make CGROUP_DIR in each hierarchy; on v2 also hand the memory and cpu controllers down to it."""
-    for directory in cgroups.dirs:
-        directory.mkdir(exist_ok=True)
-    if cgroups.version == "v2":
-        _delegate(cgroups.memory.parent)  # fails (EBUSY) while it holds processes, unless it is the root cgroup
-        _delegate(cgroups.memory)
-
-
-def _delegate(directory: Path) -> None:
-    """cgroup v2: let the children of `directory` have the memory and cpu controllers."""
-    if not {"memory", "cpu"} <= set((directory / "cgroup.subtree_control").read_text().split()):
-        (directory / "cgroup.subtree_control").write_text("+memory +cpu")
-
-
-def range_group(uid_base: int) -> str:
-    """The dir, in CGROUP_DIR, of the cgroups of the kernels of the pool holding the uid range from `uid_base`."""
-    return f"uids-{uid_base}"
-
-
-@dataclass(frozen=True)
-class KernelCgroup:
-    """One kernel's cgroup, CGROUP_DIR/group/name in each hierarchy of `cgroups`: `group` is its pool's
-    (`range_group`: pools hold their uid ranges alone, so no other pool touches it), `name` its scratch dir's."""
-
-    cgroups: Cgroups
-    group: str
-    name: str
-
-    @property
-    def dirs(self) -> tuple[Path, ...]:
-        return tuple(d / self.group / self.name for d in self.cgroups.dirs)
-
-    def exists(self) -> bool:
-        return self.dirs[0].is_dir()
-
-    def create(self, memory_bytes: int) -> None:
-        """Make the cgroup with its memory limit (swap included: no swap for the kernel where the host can tell)."""
-        for directory in self.dirs:
-            directory.parent.mkdir(parents=True, exist_ok=True)  # CGROUP_DIR too: a pool closing removes it if empty
-            if self.cgroups.version == "v2":
-                _delegate(directory.parent.parent)
-                _delegate(directory.parent)
-            directory.mkdir(exist_ok=True)
-        memory = self.dirs[0]
-        if self.cgroups.version == "v1":
-            (memory / "memory.limit_in_bytes").write_text(str(memory_bytes))
-            with contextlib.suppress(OSError):  # absent without swap accounting
-                (memory / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
-        else:
-            (memory / "memory.max").write_text(str(memory_bytes))
-            with contextlib.suppress(OSError):
-                (memory / "memory.swap.max").write_text("0")
-
-    def join(self, memory_bytes: int) -> None:
-        """Create the cgroup and move this process into it (its children follow)."""
-        for attempt in range(10):  # a sweep may remove an empty dir we just made: make it again
-            try:
-                self.create(memory_bytes)
-                for directory in self.dirs:
-                    (directory / "cgroup.procs").write_text(str(os.getpid()))
-                return
-            except FileNotFoundError:
-                if attempt == 9:
-                    raise
-
-    def pids(self) -> list[int]:
-        try:
-            return [int(p) for p in (self.dirs[0] / "cgroup.procs").read_text().split()]
-        except FileNotFoundError:
-            return []
-
-    def kill(self) -> int:
-        """SIGKILL every process in the cgroup; returns how many."""
-        return _kill_until_gone(self.pids)
-
-    def remove(self) -> bool:
-        """Remove the cgroup if it holds no process (a killed one may take a moment to leave it)."""
-        return all(_rmdir_when_empty(directory) for directory in self.dirs)
-
-    def cpu_seconds(self) -> float | None:
-        """CPU time of all the cgroup's processes, dead ones included; None if the cgroup is gone."""
-        cpu = self.dirs[-1]
-        try:
-            if self.cgroups.version == "v1":
-                return int((cpu / "cpuacct.usage").read_text()) / 1e9
-            return int(dict(line.split() for line in (cpu / "cpu.stat").read_text().splitlines())["usage_usec"]) / 1e6
-        except (FileNotFoundError, KeyError, ValueError):
-            return None
-
-    def oom_kills(self) -> int:
-        """Processes of the cgroup the kernel's OOM killer has killed for its memory limit (0 if gone)."""
-        events = "memory.oom_control" if self.cgroups.version == "v1" else "memory.events"
-        try:
-            lines = (self.dirs[0] / events).read_text().splitlines()
-        except FileNotFoundError:
-            return 0
-        return int(dict(line.split() for line in lines).get("oom_kill", 0))
-
-
-def _rmdir_when_empty(directory: Path, wait_s: float = 0.5) -> bool:
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            directory.rmdir()
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError:  # EBUSY: processes, or killed ones not yet reaped
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-
-
-@functools.lru_cache(maxsize=1)
-def usable_cgroups() -> Cgroups | None:
-    """This process's kernel cgroup dirs if cgroups work here (`cgroup_problem`), else None."""
-    found = find_cgroups() if cgroup_problem() is None else None
-    return found if isinstance(found, Cgroups) else None
-
-
 class KernelMeter:
     """What one kernel uses, all its processes together: CPU seconds, OOM kills, scratch bytes; and killing them.
 
@@ -781,34 +454,3 @@ class KernelMeter:
         elif self.session:
             with contextlib.suppress(OSError):
                 os.killpg(self.session, signal.SIGKILL)
-
-
-def sweep_cgroups(cgroups: Cgroups, group: str, scratch_root: Path | None = None) -> int:
-    """With `scratch_root`: remove the cgroups in `group` whose kernel is gone (its scratch dir removed) and that
-    hold no process. Without: end every process in `group`, then remove its cgroups and the group itself.
-    Returns how many processes were killed."""
-    try:  # a cgroup dir holds its control files too; its subdirs are the cgroups
-        names = [e.name for e in os.scandir(cgroups.memory / group) if e.is_dir(follow_symlinks=False)]
-    except OSError:  # no such group (or not ours to read)
-        return 0
-    killed = 0
-    for name in names:
-        cgroup = KernelCgroup(cgroups, group, name)
-        if scratch_root is None:
-            killed += cgroup.kill()
-            cgroup.remove()
-        elif not (Path(scratch_root) / name).exists():
-            for directory in cgroup.dirs:
-                with contextlib.suppress(OSError):  # busy: processes are still in it; a later sweep tries again
-                    directory.rmdir()
-    if scratch_root is None:
-        for directory in cgroups.dirs:
-            _rmdir_when_empty(directory / group)
-    return killed
-
-
-def remove_cgroup_dirs(cgroups: Cgroups) -> None:
-    """Remove CGROUP_DIR where no other pool of this cgroup has kernel cgroups in it (then it is busy: kept)."""
-    for directory in cgroups.dirs:
-        with contextlib.suppress(OSError):
-            directory.rmdir()

@@ -19,15 +19,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stare_sandbox.isolation import (
-    UID_BASE,
-    UID_RANGE_SIZE,
-    Cgroups,
-    KernelMeter,
-    Limits,
-    range_group,
-    remove_scratch,
-)
+from stare_sandbox.cgroups import Cgroups, range_group
+from stare_sandbox.isolation import UID_BASE, UID_RANGE_SIZE, KernelMeter, Limits, remove_scratch
 from stare_sandbox.schemas import ErrorInfo, RunResult
 
 if TYPE_CHECKING:

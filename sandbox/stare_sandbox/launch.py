@@ -4,7 +4,7 @@ Sets the fences up, then runs `python -m ipykernel_launcher -f CONNECTION_FILE`.
 connection file's directory. In namespace mode it runs as root inside the new namespaces made by
 `unshare`, as PID 1 of the new PID namespace, and does in this order:
 
-0. --cgroup-group, --cgroup-memory-mb: makes the kernel's cgroup (isolation.KernelCgroup: in its pool's
+0. --cgroup-group, --cgroup-memory-mb: makes the kernel's cgroup (cgroups.KernelCgroup: in its pool's
    group, named after the scratch dir) with that memory limit and moves itself into it, so everything the
    kernel starts is counted and capped there; first removes the empty cgroups of the pool's kernels that are
    gone. Still in the server's cgroup when it looks, so it finds the same cgroup dirs as the server.
@@ -51,7 +51,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from stare_sandbox.isolation import KernelCgroup, find_cgroups, kernel_env, sweep_cgroups
+from stare_sandbox.cgroups import KernelCgroup, find_cgroups, sweep_cgroups
+from stare_sandbox.isolation import kernel_env
 
 # <sys/mount.h>, <sched.h>, <sys/prctl.h>
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8

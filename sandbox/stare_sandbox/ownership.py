@@ -40,17 +40,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from stare_sandbox.isolation import (
-    UID_BASE,
-    UID_RANGE_SIZE,
-    Cgroups,
-    kill_processes_with_home,
-    kill_uid_processes,
-    range_group,
-    remove_scratch,
-    scratch_prefix,
-    sweep_cgroups,
-)
+from stare_sandbox.cgroups import Cgroups, range_group, sweep_cgroups
+from stare_sandbox.isolation import UID_BASE, UID_RANGE_SIZE, remove_scratch, scratch_prefix
+from stare_sandbox.processes import kill_processes_with_home, kill_uid_processes
 
 __all__ = [
     "AUTO_UID_BASES",

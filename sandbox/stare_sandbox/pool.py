@@ -34,28 +34,30 @@ import zmq.asyncio
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 
-from stare_sandbox.isolation import (
-    UID_BASE,
+from stare_sandbox.cgroups import (
     Cgroups,
-    Isolation,
-    IsolationMode,
-    Limits,
     cgroup_problem,
-    detect_isolation,
-    kernel_argv,
-    kernel_env,
-    kill_processes_with_home,
-    make_scratch,
     prepare_cgroups,
     range_group,
     remove_cgroup_dirs,
-    remove_scratch,
-    scratch_prefix,
     sweep_cgroups,
     usable_cgroups,
 )
+from stare_sandbox.isolation import (
+    UID_BASE,
+    Isolation,
+    IsolationMode,
+    Limits,
+    detect_isolation,
+    kernel_argv,
+    kernel_env,
+    make_scratch,
+    remove_scratch,
+    scratch_prefix,
+)
 from stare_sandbox.kernel import Kernel, KernelsBusy, SandboxError
 from stare_sandbox.ownership import Owner, check_uid_base, claim_uid_range
+from stare_sandbox.processes import kill_processes_with_home
 
 log = logging.getLogger("sandbox")
 T = TypeVar("T")

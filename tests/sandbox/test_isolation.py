@@ -33,6 +33,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.kernelspec import KernelSpecManager
 from procs import cmdline  # tests/procs.py
 
+from stare_sandbox.cgroups import usable_cgroups
 from stare_sandbox.isolation import (
     UID_BASE,
     Isolation,
@@ -41,14 +42,13 @@ from stare_sandbox.isolation import (
     detect_isolation,
     kernel_argv,
     kernel_env,
-    kill_uid_processes,
     make_scratch,
     remove_scratch,
     scratch_bytes,
     scratch_prefix,
-    usable_cgroups,
 )
 from stare_sandbox.pool import KernelPool, PoolSettings
+from stare_sandbox.processes import kill_uid_processes
 from stare_sandbox.sessions import SessionStore, run_stateless
 
 SECRET = "STARE_SECRET_TOKEN"
@@ -529,7 +529,7 @@ def caps_case_or_skip(isolation: str, cgroups: bool) -> None:
     if isolation == "namespaces":
         namespaces_or_skip()
     if cgroups and usable_cgroups() is None:
-        from stare_sandbox.isolation import cgroup_problem
+        from stare_sandbox.cgroups import cgroup_problem
 
         pytest.skip(f"cgroups are not usable here: {cgroup_problem()}")
 

@@ -28,7 +28,8 @@ import pytest
 from procs import _stat, alive, descendants  # tests/procs.py
 
 import stare_sandbox.ownership as ownership
-from stare_sandbox.isolation import UID_BASE, detect_isolation, make_scratch, range_group, usable_cgroups
+from stare_sandbox.cgroups import range_group, usable_cgroups
+from stare_sandbox.isolation import UID_BASE, detect_isolation, make_scratch
 from stare_sandbox.ownership import (
     AUTO_UID_BASES,
     RANGE_SIZE,
