@@ -393,7 +393,7 @@ async def bench_main(args: argparse.Namespace, out: Path) -> dict:
     from stare_agent.backends.openrlhf.episodes import ReToolExecutor
     from stare_agent.config import AgentConfig, RLConfig, RolloutConfig
     from stare_agent.data import load_benchmark
-    from stare_sandbox.client import InProcessClient
+    from stare_sandbox.inprocess import InProcessClient
     from stare_sandbox.pool import PoolSettings
 
     source = smollm2_folder(args.model, out)

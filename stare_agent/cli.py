@@ -194,7 +194,8 @@ def _data(args: argparse.Namespace) -> int:
     if args.data_command == "make-tasks":
         rows = [{"id": p.id, "problem": p.problem, "answer": p.answer, "meta": p.meta} for p in problems]
     else:
-        from stare_sandbox.client import AsyncSandboxClient, InProcessClient
+        from stare_sandbox.client import AsyncSandboxClient
+        from stare_sandbox.inprocess import InProcessClient
         from stare_sandbox.pool import PoolSettings
 
         async def make() -> list[dict]:

@@ -24,7 +24,7 @@ def make_client(config: SandboxConfig, concurrent_episodes: int = 0) -> Any:
         from stare_sandbox.client import AsyncSandboxClient
 
         return AsyncSandboxClient(servers, config.token or os.environ.get("SANDBOX_TOKEN"))
-    from stare_sandbox.client import InProcessClient
+    from stare_sandbox.inprocess import InProcessClient
     from stare_sandbox.pool import PoolSettings
 
     max_kernels = max(config.max_kernels, concurrent_episodes + config.pool_size)

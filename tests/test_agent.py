@@ -14,7 +14,8 @@ import pytest
 from stare_agent import protocol
 from stare_agent.agent import AgentConfig, Sample, run_batch, run_episode
 from stare_agent.data import Problem
-from stare_sandbox.client import InProcessClient, SandboxUnavailable
+from stare_sandbox.client import SandboxUnavailable
+from stare_sandbox.inprocess import InProcessClient
 from stare_sandbox.pool import PoolSettings
 
 PROBLEM = Problem(id="p1", problem="What is 2**100 mod 7, plus 1?", answer="3", source="test")

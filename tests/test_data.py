@@ -136,7 +136,7 @@ def test_sft_ids_equal_the_rl_episode_ids(tiny_tokenizer):
     import asyncio
 
     from stare_agent.agent import AgentConfig, Sample, run_episode
-    from stare_sandbox.client import InProcessClient
+    from stare_sandbox.inprocess import InProcessClient
 
     turns = [TRANSCRIPT[: TRANSCRIPT.index("</code>") + 7], TRANSCRIPT[TRANSCRIPT.index("The program") :]]
 

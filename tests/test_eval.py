@@ -18,7 +18,8 @@ from stare_agent import protocol
 from stare_agent.agent import AgentConfig, Sample
 from stare_agent.data import Problem
 from stare_agent.eval import avg_at_k, evaluate, pass_at_k, pass_ks, write_reports
-from stare_sandbox.client import InProcessClient, SandboxUnavailable
+from stare_sandbox.client import SandboxUnavailable
+from stare_sandbox.inprocess import InProcessClient
 from stare_sandbox.pool import PoolSettings
 
 # --- pass@k and avg@k --------------------------------------------------------------------------------------------

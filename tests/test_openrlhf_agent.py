@@ -36,7 +36,8 @@ from stare_agent.backends.openrlhf import episodes
 from stare_agent.backends.openrlhf.episodes import CONFIG_ENV, ReToolExecutor, config_env, config_from_env
 from stare_agent.batching import EPISODE_STATS
 from stare_agent.config import AgentConfig, ConfigError, RLConfig, RolloutConfig, SandboxConfig
-from stare_sandbox.client import AsyncSandboxClient, InProcessClient
+from stare_sandbox.client import AsyncSandboxClient
+from stare_sandbox.inprocess import InProcessClient
 from stare_sandbox.pool import PoolSettings
 
 PROBLEM = "What is 2**100 mod 7, plus 1?"

@@ -363,7 +363,7 @@ def test_dynamic_sampling_drops_equal_and_sandbox_groups_and_refills(
     policy = made[0]
 
     async def rollouts():
-        from stare_sandbox.client import InProcessClient
+        from stare_sandbox.inprocess import InProcessClient
         from stare_sandbox.pool import PoolSettings
 
         async with InProcessClient(PoolSettings(pool_size=1, max_kernels=16)) as client:

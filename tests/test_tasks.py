@@ -131,7 +131,7 @@ def test_sft_transcripts_hold_real_sandbox_output():
     from stare_agent import protocol
     from stare_agent.reward import score
     from stare_agent.tasks import make_sft_rows
-    from stare_sandbox.client import InProcessClient
+    from stare_sandbox.inprocess import InProcessClient
     from stare_sandbox.pool import PoolSettings
 
     problems = generate_tasks(len(FAMILIES), seed=3, difficulty=2)
@@ -162,7 +162,7 @@ def test_mixed_style_transcripts_use_every_style_and_one_style_keeps_the_usual_p
     from stare_agent import protocol
     from stare_agent.reward import score
     from stare_agent.tasks import make_sft_rows
-    from stare_sandbox.client import InProcessClient
+    from stare_sandbox.inprocess import InProcessClient
     from stare_sandbox.pool import PoolSettings
 
     problems = generate_tasks(24, seed=5, families=["gcd"], difficulty=2)

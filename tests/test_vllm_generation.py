@@ -26,7 +26,7 @@ from stare_agent.backends.local.generation import HFGenerator, nucleus_filter  #
 from stare_agent.backends.local.vllm_generation import VLLMGenerator, available  # noqa: E402
 from stare_agent.data import Problem  # noqa: E402
 from stare_agent.protocol import CODE_CLOSE, encode_segment  # noqa: E402
-from stare_sandbox.client import InProcessClient  # noqa: E402
+from stare_sandbox.inprocess import InProcessClient  # noqa: E402
 from stare_sandbox.pool import PoolSettings  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine; plenty for the tiny model

@@ -1,4 +1,4 @@
-"""Clients of the sandbox: over HTTP (sync and async) and in-process, with one interface.
+"""The HTTP clients of the sandbox service, sync and async; the in-process client (inprocess.py) has their interface.
 
 Retries: a call is retried with exponential backoff only when it certainly did not run -- the server
 answered 429/503 (overloaded, no kernel), or the connection could not be made (also for a call in a
@@ -31,7 +31,9 @@ Several servers: the HTTP clients take one URL or a list of them (same token for
   reported lost for what another request saw. A session on a server that restarted gets SessionNotFound
   (404), as with one server.
 The sync client may be shared between threads (the bookkeeping is under a lock; httpx.Client is
-thread-safe). InProcessClient has no servers: one pool in this process.
+thread-safe).
+The two clients share everything but the transport: each call is a flow of `_Common` (a generator) that yields
+the requests, probes and pauses it needs, and the client makes them, directly or awaited.
 """
 
 from __future__ import annotations
@@ -42,26 +44,23 @@ import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 import httpx
 
 from stare_sandbox.schemas import ErrorInfo, RunResult
+from stare_sandbox.servers import Server, Servers, detail
 
 T = TypeVar("T")
 H = TypeVar("H", httpx.Client, httpx.AsyncClient)
+Steps = Generator[tuple, Any, T]
+"""A call flow of `_Common`: it yields (transport method, *args) and is sent what that call returns."""
 log = logging.getLogger("sandbox.client")
-RETRY_STATUS = {429, 503}
 KEEPALIVE_S = 10.0
 """Idle connections are dropped after this, well before the server closes them (its keep-alive is 60 s): a
 request on a connection the server closes at that moment fails after sending and cannot be retried safely.
 (Both httpx and uvicorn default to 5 s, so under load such races happened.)"""
-DOWN_AFTER_REFUSALS = 3
-"""A server that answers this many calls in a row with 429/503 is skipped (marked down) until re-probed."""
-MAX_DOWN_S = 30.0
-"""Longest pause before a down server is probed again."""
 POOL_CONNECTIONS = 16
 """Most connections in one httpx pool: a server's connections are split over pools of this size. httpcore's pool
 looks at every connection for each idle one whenever a request starts or ends, so its cost per call grows with
@@ -93,18 +92,11 @@ def _delay(attempt: int, backoff_s: float, response: httpx.Response | None) -> f
     return min(base, 10.0)
 
 
-def _detail(response: httpx.Response) -> str:
-    try:
-        return str(response.json().get("detail"))
-    except (ValueError, AttributeError):
-        return response.text[:200]
-
-
 def _check(response: httpx.Response, url: str) -> httpx.Response:
     if response.status_code == 404 and "/sessions/" in url:
-        raise SessionNotFound(_detail(response) or url)
+        raise SessionNotFound(detail(response) or url)
     if response.status_code >= 400:
-        raise SandboxUnavailable(f"{response.request.method} {url}: HTTP {response.status_code}: {_detail(response)}")
+        raise SandboxUnavailable(f"{response.request.method} {url}: HTTP {response.status_code}: {detail(response)}")
     return response
 
 
@@ -135,179 +127,6 @@ def check_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
             raise ValueError(f"sandbox server URL [{i}] {url!r} is listed twice (first at [{checked.index(url)}])")
         checked.append(url)
     return tuple(checked)
-
-
-@dataclass(eq=False)
-class _Server:
-    """What this client knows about one server. Changed only under `_Servers.lock`."""
-
-    index: int
-    url: str
-    down_for: float
-    """Pause before the next probe, should this server go down; doubles while it stays down."""
-    up: bool = True
-    unreachable: bool = False
-    """Down because it could not be connected to: with several servers, a session call there gets one try, not the
-    retries, until the next probe."""
-    retry_at: float = 0.0
-    """When down: monotonic time of the next probe."""
-    probing: bool = False
-    last_error: str = ""
-    refusals: int = 0
-    """429/503 answers in a row."""
-    in_flight: int = 0
-    sessions: int = 0
-    """Sessions this client opened there and has not closed."""
-    calls: int = 0
-    """Requests this client sent there (probes excluded)."""
-
-
-Outcome = Literal["ok", "refused", "unreachable", "failed"]
-"""ok: an answer to hand on (2xx, or a 4xx `_check` reports); refused: 429/503 with Retry-After, nothing ran;
-unreachable: no connection or 503 without Retry-After, nothing ran; failed: broken after sending or 5xx,
-the call may have run."""
-
-
-class _Servers:
-    """The server list and its bookkeeping: choice by load, down marks, backoff. No I/O here."""
-
-    def __init__(self, urls: tuple[str, ...], down_backoff_s: float):
-        self.list = [_Server(i, url, down_backoff_s) for i, url in enumerate(urls)]
-        self.down_backoff_s = down_backoff_s
-        self.lock = threading.Lock()
-        self._turn = 0
-
-    def pick(self, avoid: set[int], by_sessions: bool) -> _Server | None:
-        """The least loaded up server not in `avoid`, counted as in flight; ties in turn. None: no such server."""
-        with self.lock:
-            up = [s for s in self.list if s.up and s.index not in avoid]
-            if not up:
-                return None
-            load = {s.index: (s.sessions, s.in_flight) if by_sessions else (s.in_flight,) for s in up}
-            least = min(load.values())
-            tied = [s for s in up if load[s.index] == least]
-            server = min(tied, key=lambda s: (s.index - self._turn) % len(self.list))
-            self._turn = server.index + 1
-            server.in_flight += 1
-            server.calls += 1
-            return server
-
-    def begin(self, server: _Server) -> None:
-        with self.lock:
-            server.in_flight += 1
-            server.calls += 1
-
-    def end(self, server: _Server) -> None:
-        with self.lock:
-            server.in_flight -= 1
-
-    def to_probe(self, all_down: bool, avoid: set[int] = frozenset()) -> list[_Server]:
-        """Down servers to probe now, marked as being probed: those whose pause is over, or (all_down, when no
-        server is up) every down one not in `avoid`."""
-        now = time.monotonic()
-        with self.lock:
-            if all_down and any(s.up for s in self.list):
-                return []
-            due = [
-                s
-                for s in self.list
-                if not s.up and not s.probing and s.index not in avoid and (all_down or now >= s.retry_at)
-            ]
-            for s in due:
-                s.probing = True
-            return due
-
-    def claim_all(self) -> list[_Server]:
-        """Every server, marked as being probed (for health(), which wants each one's answer)."""
-        with self.lock:
-            for s in self.list:
-                s.probing = True
-            return list(self.list)
-
-    def probed(self, server: _Server, error: str | None, *, unreachable: bool = False) -> None:
-        with self.lock:
-            server.probing = False
-            if error is None:
-                server.up, server.unreachable, server.refusals = True, False, 0
-            else:
-                self._down(server, error, unreachable, again=True)
-
-    def unprobed(self, server: _Server) -> None:
-        """A probe was abandoned (cancelled): leave the server as it was."""
-        with self.lock:
-            server.probing = False
-
-    def settle(
-        self, server: _Server, response: httpx.Response | None, error: Exception | None, method: str, path: str
-    ) -> tuple[Outcome, str]:
-        """Classify an answer (or transport error) of `server` to `method path`; update what is known of it."""
-        where = f"{method} {server.url}{path}"
-        with self.lock:
-            if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):
-                message = f"cannot reach {server.url}{path}: {error}"
-                self._down(server, message, unreachable=True)
-                return "unreachable", message
-            if error is not None:
-                message = f"{where} failed after sending: {type(error).__name__}: {error}"
-                self._down(server, message, unreachable=False)
-                return "failed", message
-            status = response.status_code
-            message = f"{where}: HTTP {status}: {_detail(response)}"
-            if status in RETRY_STATUS and (status == 429 or response.headers.get("retry-after")):
-                server.refusals += 1
-                server.last_error = message
-                if server.refusals >= DOWN_AFTER_REFUSALS:
-                    self._down(server, f"{message} ({server.refusals} refusals in a row)", unreachable=False)
-                return "refused", message
-            if status == 503:  # without Retry-After: a proxy saying the server is gone; the call was not run
-                self._down(server, message, unreachable=True)
-                return "unreachable", message
-            if status >= 500:
-                self._down(server, message, unreachable=False)
-                return "failed", message
-            server.up, server.unreachable, server.refusals = True, False, 0
-            server.down_for = self.down_backoff_s
-            return "ok", ""
-
-    def _down(self, server: _Server, error: str, unreachable: bool, again: bool = False) -> None:
-        server.last_error = error
-        server.unreachable = unreachable
-        if server.up or again:  # a second failure seen while already down does not push the probe further off
-            server.up = False
-            server.retry_at = time.monotonic() + server.down_for
-            server.down_for = min(2 * server.down_for, MAX_DOWN_S)
-
-    def known_unreachable(self, server: _Server) -> bool:
-        """Whether a connection to `server` failed and no probe has answered since (until its next probe)."""
-        with self.lock:
-            return not server.up and server.unreachable and time.monotonic() < server.retry_at
-
-    def opened(self, server: _Server, delta: int) -> None:
-        with self.lock:
-            server.sessions = max(0, server.sessions + delta)
-
-    def unavailable(self) -> SandboxUnavailable:
-        """The error when no server took a call: each server's last error (the one error with one server)."""
-        with self.lock:
-            errors = [s.last_error or f"{s.url}: no answer" for s in self.list]
-        if len(errors) == 1:
-            return SandboxUnavailable(errors[0])
-        listed = "; ".join(f"[{i}] {error}" for i, error in enumerate(errors))
-        return SandboxUnavailable(f"none of the {len(errors)} sandbox servers took the call: {listed}")
-
-    def stats(self) -> list[dict[str, Any]]:
-        with self.lock:
-            return [
-                {
-                    "url": s.url,
-                    "up": s.up,
-                    "calls": s.calls,
-                    "in_flight": s.in_flight,
-                    "sessions": s.sessions,
-                    "last_error": s.last_error,
-                }
-                for s in self.list
-            ]
 
 
 class _Pools(Generic[H]):
@@ -341,6 +160,13 @@ class _Pools(Generic[H]):
 
 
 class _Common:
+    """What both HTTP clients share: settings, the server bookkeeping, session ids, and every call's flow.
+
+    A flow (`Steps`) never does I/O: it yields `(self._send, ...)`, `(self._probe, servers)` or
+    `(self._sleep, seconds)`, and the client's `_drive` makes that call of its transport and sends back the result
+    (or throws in its exception), so the logic exists once for the blocking and the asyncio transport.
+    """
+
     def __init__(
         self,
         base_url: str | Sequence[str],
@@ -361,7 +187,7 @@ class _Common:
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
-        self._servers = _Servers(self.urls, down_backoff_s)
+        self._servers = Servers(self.urls, down_backoff_s)
 
     def _server_pools(self, http_class: type[H], max_connections: int) -> list[_Pools[H]]:
         """Each server's connection pools (_Pools), in URL order."""
@@ -377,10 +203,10 @@ class _Common:
         """Per server, in URL order: url, up, calls sent by this client, in flight, open sessions, last error."""
         return self._servers.stats()
 
-    def _session_id(self, server: _Server, server_id: str) -> str:
+    def _session_id(self, server: Server, server_id: str) -> str:
         return server_id if len(self.urls) == 1 else f"{server.index}-{server_id}"
 
-    def _session_of(self, session_id: str) -> tuple[_Server, str]:
+    def _session_of(self, session_id: str) -> tuple[Server, str]:
         """The server holding `session_id` and the id that server knows it by."""
         if len(self.urls) == 1:
             return self._servers.list[0], session_id
@@ -406,7 +232,7 @@ class _Common:
                 log.warning("sandbox server %s is down, skipped until it answers: %s", entry["url"], entry["error"])
         return self
 
-    def _probe_result(self, server: _Server, response: httpx.Response | None, error: Exception | None) -> dict | None:
+    def _probe_result(self, server: Server, response: httpx.Response | None, error: Exception | None) -> dict | None:
         """Record a GET /healthz answer; its body when the server answered (even if it refuses our token)."""
         where = f"{server.url}/healthz"
         if error is not None:
@@ -426,7 +252,7 @@ class _Common:
             self._servers.probed(server, None)
         return body
 
-    def _health(self, answers: list[dict | None]) -> dict[str, Any]:
+    def _summary(self, answers: list[dict | None]) -> dict[str, Any]:
         """One server: its /healthz body. Several: sums over those that answered, plus `servers`, one entry each."""
         if len(self.urls) == 1:
             return answers[0]
@@ -445,7 +271,7 @@ class _Common:
             "servers": servers,
         }
 
-    def _lost_result(self, session_id: str, server: _Server, error: str, started: float) -> RunResult:
+    def _lost_result(self, session_id: str, server: Server, error: str, started: float) -> RunResult:
         message = (
             f"session {session_id} lives on sandbox server {server.url}, which failed: {error}. Its state is lost "
             "and the call was not run elsewhere; start a new session"
@@ -462,6 +288,97 @@ class _Common:
     def _http_timeout(self, timeout_s: float | None) -> httpx.Timeout:
         # The server may queue the call and then run it for up to timeout_s (plus interrupt grace).
         return httpx.Timeout(self.timeout_s + (timeout_s or 0.0), connect=5.0)
+
+    # --- call flows (see the class docstring) ---------------------------------------------------------------
+
+    def _pick(self, avoid: set[int], by_sessions: bool) -> Steps[Server | None]:
+        yield (self._probe, self._servers.to_probe(all_down=False))
+        server = self._servers.pick(avoid, by_sessions)
+        if server is None:
+            yield (self._probe, self._servers.to_probe(all_down=True, avoid=avoid))
+            server = self._servers.pick(avoid, by_sessions)
+        return server
+
+    def _spread(
+        self, method: str, path: str, *, by_sessions: bool = False, timeout_s: float | None = None, **kw: Any
+    ) -> Steps[tuple[Server, httpx.Response]]:
+        """A call that may go to any server: (server, response). Nothing ran where it failed before, so it moves on."""
+        avoid: set[int] = set()
+        attempt, last = 0, None
+        while True:
+            server = yield from self._pick(avoid, by_sessions)
+            if server is None:
+                if attempt == self.retries:
+                    raise SandboxUnavailable(self._servers.unavailable())
+                yield (self._sleep, _delay(attempt, self.backoff_s, last))
+                attempt, avoid = attempt + 1, set()
+                continue
+            response, error = yield (self._send, server, method, path, timeout_s, kw)
+            outcome, message = self._servers.settle(server, response, error, method, path)
+            if outcome == "ok":
+                return server, _check(response, f"{server.url}{path}")
+            if outcome == "failed":
+                raise SandboxUnavailable(message) from error
+            avoid.add(server.index)
+            last = response
+
+    def _sticky(
+        self, server: Server, method: str, path: str, *, timeout_s: float | None = None, **kw: Any
+    ) -> Steps[httpx.Response]:
+        """A call that must go to `server` (a session's). Raises _ServerLost when that server failed: the call broke
+        after sending, or no connection was made in `retries + 1` tries. Those are backed off like refusals, since
+        nothing was sent: a server restarted on its port meanwhile answers (SessionNotFound, as it should). With
+        several servers, one known to be unreachable gets one try, so as not to hold up a trainer that has others."""
+        one_try = len(self.urls) > 1 and self._servers.known_unreachable(server)
+        for attempt in range(self.retries + 1):
+            self._servers.begin(server)
+            response, error = yield (self._send, server, method, path, timeout_s, kw)
+            outcome, message = self._servers.settle(server, response, error, method, path)
+            if outcome == "ok":
+                return _check(response, f"{server.url}{path}")
+            if outcome == "failed" or (outcome == "unreachable" and one_try):
+                raise _ServerLost(message) from error
+            if attempt < self.retries:
+                yield (self._sleep, _delay(attempt, self.backoff_s, response))
+        if outcome == "unreachable":
+            raise _ServerLost(message) from error
+        raise SandboxUnavailable(message)
+
+    def _health_steps(self) -> Steps[dict[str, Any]]:
+        for attempt in range(self.retries + 1):
+            answers = yield (self._probe, self._servers.claim_all())
+            if any(answer is not None for answer in answers):
+                return self._summary(answers)
+            if attempt < self.retries:
+                yield (self._sleep, _delay(attempt, self.backoff_s, None))
+        raise SandboxUnavailable(self._servers.unavailable())
+
+    def _create_session_steps(self) -> Steps[str]:
+        server, response = yield from self._spread("POST", "/v1/sessions", by_sessions=True)
+        self._servers.opened(server, +1)
+        return self._session_id(server, response.json()["session_id"])
+
+    def _execute_steps(self, code: str, session_id: str | None, timeout_s: float | None) -> Steps[RunResult]:
+        body = self._body(code, timeout_s)
+        if not session_id:
+            _, response = yield from self._spread("POST", "/v1/execute", timeout_s=timeout_s, json=body)
+            return RunResult.model_validate(response.json())
+        server, server_id = self._session_of(session_id)
+        started = time.perf_counter()
+        path = f"/v1/sessions/{server_id}/execute"
+        try:
+            response = yield from self._sticky(server, "POST", path, timeout_s=timeout_s, json=body)
+        except _ServerLost as exc:
+            return self._lost_result(session_id, server, str(exc), started)
+        return RunResult.model_validate(response.json())
+
+    def _close_session_steps(self, session_id: str) -> Steps[None]:
+        try:
+            server, server_id = self._session_of(session_id)
+            self._servers.opened(server, -1)
+            yield from self._sticky(server, "DELETE", f"/v1/sessions/{server_id}")
+        except SessionNotFound:
+            pass  # already gone (expired, the server restarted, or never made here): nothing to close
 
 
 class SandboxClient(_Common):
@@ -494,7 +411,7 @@ class SandboxClient(_Common):
         self._pools = self._server_pools(httpx.Client, max_connections)
         self._http = self._pools[0].clients[0]  # one of the first server's, for relative requests made on it directly
 
-    def _send(self, server: _Server, method: str, path: str, timeout_s: float | None, **kw: Any):
+    def _send(self, server: Server, method: str, path: str, timeout_s: float | None, kw: dict[str, Any]):
         """(response, None) or (None, transport error); `server` was counted in flight and is released here."""
         try:
             with self._pools[server.index].take() as http:
@@ -506,7 +423,7 @@ class SandboxClient(_Common):
         finally:
             self._servers.end(server)
 
-    def _probe(self, servers: list[_Server]) -> list[dict | None]:
+    def _probe(self, servers: list[Server]) -> list[dict | None]:
         """GET /healthz of each of `servers` (claimed for probing by the caller), one after the other."""
         answers: list[dict | None] = []
         try:
@@ -522,96 +439,39 @@ class SandboxClient(_Common):
                 self._servers.unprobed(server)
         return answers
 
-    def _pick(self, avoid: set[int], by_sessions: bool) -> _Server | None:
-        self._probe(self._servers.to_probe(all_down=False))
-        server = self._servers.pick(avoid, by_sessions)
-        if server is None:
-            self._probe(self._servers.to_probe(all_down=True, avoid=avoid))
-            server = self._servers.pick(avoid, by_sessions)
-        return server
+    def _sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
 
-    def _spread(self, method: str, path: str, *, by_sessions: bool = False, timeout_s: float | None = None, **kw: Any):
-        """A call that may go to any server: (server, response). Nothing ran where it failed before, so it moves on."""
-        avoid: set[int] = set()
-        attempt, last = 0, None
+    def _drive(self, steps: Steps[T]) -> T:
+        """Run a call flow to its end, making each call it yields; an exception of one goes back into the flow."""
+        send, value = steps.send, None
         while True:
-            server = self._pick(avoid, by_sessions)
-            if server is None:
-                if attempt == self.retries:
-                    raise self._servers.unavailable()
-                time.sleep(_delay(attempt, self.backoff_s, last))
-                attempt, avoid = attempt + 1, set()
-                continue
-            response, error = self._send(server, method, path, timeout_s, **kw)
-            outcome, message = self._servers.settle(server, response, error, method, path)
-            if outcome == "ok":
-                return server, _check(response, f"{server.url}{path}")
-            if outcome == "failed":
-                raise SandboxUnavailable(message) from error
-            avoid.add(server.index)
-            last = response
-
-    def _sticky(self, server: _Server, method: str, path: str, *, timeout_s: float | None = None, **kw: Any):
-        """A call that must go to `server` (a session's). Raises _ServerLost when that server failed: the call broke
-        after sending, or no connection was made in `retries + 1` tries. Those are backed off like refusals, since
-        nothing was sent: a server restarted on its port meanwhile answers (SessionNotFound, as it should). With
-        several servers, one known to be unreachable gets one try, so as not to hold up a trainer that has others."""
-        one_try = len(self.urls) > 1 and self._servers.known_unreachable(server)
-        for attempt in range(self.retries + 1):
-            self._servers.begin(server)
-            response, error = self._send(server, method, path, timeout_s, **kw)
-            outcome, message = self._servers.settle(server, response, error, method, path)
-            if outcome == "ok":
-                return _check(response, f"{server.url}{path}")
-            if outcome == "failed" or (outcome == "unreachable" and one_try):
-                raise _ServerLost(message) from error
-            if attempt < self.retries:
-                time.sleep(_delay(attempt, self.backoff_s, response))
-        if outcome == "unreachable":
-            raise _ServerLost(message) from error
-        raise SandboxUnavailable(message)
+            try:
+                call, *args = send(value)
+            except StopIteration as done:
+                return done.value
+            try:
+                send, value = steps.send, call(*args)
+            except BaseException as exc:
+                send, value = steps.throw, exc
 
     def health(self) -> dict[str, Any]:
-        """GET /healthz of every server (retried while none answers); several servers: see `_health`."""
-        for attempt in range(self.retries + 1):
-            answers = self._probe(self._servers.claim_all())
-            if any(answer is not None for answer in answers):
-                return self._health(answers)
-            if attempt < self.retries:
-                time.sleep(_delay(attempt, self.backoff_s, None))
-        raise self._servers.unavailable()
+        """GET /healthz of every server (retried while none answers); several servers: see `_summary`."""
+        return self._drive(self._health_steps())
 
     def start(self) -> SandboxClient:
         """Check now that the service answers and accepts the token, rather than at the first tool call."""
         return self._checked(self.health())
 
     def create_session(self) -> str:
-        server, response = self._spread("POST", "/v1/sessions", by_sessions=True)
-        self._servers.opened(server, +1)
-        return self._session_id(server, response.json()["session_id"])
+        return self._drive(self._create_session_steps())
 
     def execute(self, code: str, session_id: str | None = None, timeout_s: float | None = None) -> RunResult:
         """Run `code` in the session, or stateless. A session whose server failed gets status sandbox_error."""
-        body = self._body(code, timeout_s)
-        if not session_id:
-            _, response = self._spread("POST", "/v1/execute", timeout_s=timeout_s, json=body)
-            return RunResult.model_validate(response.json())
-        server, server_id = self._session_of(session_id)
-        started = time.perf_counter()
-        path = f"/v1/sessions/{server_id}/execute"
-        try:
-            response = self._sticky(server, "POST", path, timeout_s=timeout_s, json=body)
-        except _ServerLost as exc:
-            return self._lost_result(session_id, server, str(exc), started)
-        return RunResult.model_validate(response.json())
+        return self._drive(self._execute_steps(code, session_id, timeout_s))
 
     def close_session(self, session_id: str) -> None:
-        try:
-            server, server_id = self._session_of(session_id)
-            self._servers.opened(server, -1)
-            self._sticky(server, "DELETE", f"/v1/sessions/{server_id}")
-        except SessionNotFound:
-            pass  # already gone (expired, the server restarted, or never made here): nothing to close
+        self._drive(self._close_session_steps(session_id))
 
     def close(self) -> None:
         for pools in self._pools:
@@ -644,7 +504,7 @@ class AsyncSandboxClient(_Common):
         self._pools = self._server_pools(httpx.AsyncClient, max_connections)
         self._http = self._pools[0].clients[0]
 
-    async def _send(self, server: _Server, method: str, path: str, timeout_s: float | None, **kw: Any):
+    async def _send(self, server: Server, method: str, path: str, timeout_s: float | None, kw: dict[str, Any]):
         try:
             with self._pools[server.index].take() as http:
                 response = await http.request(method, server.url + path, timeout=self._http_timeout(timeout_s), **kw)
@@ -656,7 +516,7 @@ class AsyncSandboxClient(_Common):
         finally:
             self._servers.end(server)
 
-    async def _probe_one(self, server: _Server) -> dict | None:
+    async def _probe_one(self, server: Server) -> dict | None:
         try:
             with self._pools[server.index].take() as http:
                 response, error = await http.get(server.url + "/healthz", timeout=PROBE_TIMEOUT), None
@@ -667,94 +527,40 @@ class AsyncSandboxClient(_Common):
             raise
         return self._probe_result(server, response, error)
 
-    async def _probe(self, servers: list[_Server]) -> list[dict | None]:
+    async def _probe(self, servers: list[Server]) -> list[dict | None]:
         return list(await asyncio.gather(*(self._probe_one(server) for server in servers)))
 
-    async def _pick(self, avoid: set[int], by_sessions: bool) -> _Server | None:
-        await self._probe(self._servers.to_probe(all_down=False))
-        server = self._servers.pick(avoid, by_sessions)
-        if server is None:
-            await self._probe(self._servers.to_probe(all_down=True, avoid=avoid))
-            server = self._servers.pick(avoid, by_sessions)
-        return server
+    async def _sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
-    async def _spread(
-        self, method: str, path: str, *, by_sessions: bool = False, timeout_s: float | None = None, **kw: Any
-    ):
-        avoid: set[int] = set()
-        attempt, last = 0, None
+    async def _drive(self, steps: Steps[T]) -> T:
+        """SandboxClient._drive with each call awaited."""
+        send, value = steps.send, None
         while True:
-            server = await self._pick(avoid, by_sessions)
-            if server is None:
-                if attempt == self.retries:
-                    raise self._servers.unavailable()
-                await asyncio.sleep(_delay(attempt, self.backoff_s, last))
-                attempt, avoid = attempt + 1, set()
-                continue
-            response, error = await self._send(server, method, path, timeout_s, **kw)
-            outcome, message = self._servers.settle(server, response, error, method, path)
-            if outcome == "ok":
-                return server, _check(response, f"{server.url}{path}")
-            if outcome == "failed":
-                raise SandboxUnavailable(message) from error
-            avoid.add(server.index)
-            last = response
-
-    async def _sticky(self, server: _Server, method: str, path: str, *, timeout_s: float | None = None, **kw: Any):
-        one_try = len(self.urls) > 1 and self._servers.known_unreachable(server)
-        for attempt in range(self.retries + 1):
-            self._servers.begin(server)
-            response, error = await self._send(server, method, path, timeout_s, **kw)
-            outcome, message = self._servers.settle(server, response, error, method, path)
-            if outcome == "ok":
-                return _check(response, f"{server.url}{path}")
-            if outcome == "failed" or (outcome == "unreachable" and one_try):
-                raise _ServerLost(message) from error
-            if attempt < self.retries:
-                await asyncio.sleep(_delay(attempt, self.backoff_s, response))
-        if outcome == "unreachable":
-            raise _ServerLost(message) from error
-        raise SandboxUnavailable(message)
+            try:
+                call, *args = send(value)
+            except StopIteration as done:
+                return done.value
+            try:
+                send, value = steps.send, await call(*args)
+            except BaseException as exc:
+                send, value = steps.throw, exc
 
     async def health(self) -> dict[str, Any]:
-        for attempt in range(self.retries + 1):
-            answers = await self._probe(self._servers.claim_all())
-            if any(answer is not None for answer in answers):
-                return self._health(answers)
-            if attempt < self.retries:
-                await asyncio.sleep(_delay(attempt, self.backoff_s, None))
-        raise self._servers.unavailable()
+        return await self._drive(self._health_steps())
 
     async def start(self) -> AsyncSandboxClient:
         """Check now that the service answers and accepts the token, rather than at the first tool call."""
         return self._checked(await self.health())
 
     async def create_session(self) -> str:
-        server, response = await self._spread("POST", "/v1/sessions", by_sessions=True)
-        self._servers.opened(server, +1)
-        return self._session_id(server, response.json()["session_id"])
+        return await self._drive(self._create_session_steps())
 
     async def execute(self, code: str, session_id: str | None = None, timeout_s: float | None = None) -> RunResult:
-        body = self._body(code, timeout_s)
-        if not session_id:
-            _, response = await self._spread("POST", "/v1/execute", timeout_s=timeout_s, json=body)
-            return RunResult.model_validate(response.json())
-        server, server_id = self._session_of(session_id)
-        started = time.perf_counter()
-        path = f"/v1/sessions/{server_id}/execute"
-        try:
-            response = await self._sticky(server, "POST", path, timeout_s=timeout_s, json=body)
-        except _ServerLost as exc:
-            return self._lost_result(session_id, server, str(exc), started)
-        return RunResult.model_validate(response.json())
+        return await self._drive(self._execute_steps(code, session_id, timeout_s))
 
     async def close_session(self, session_id: str) -> None:
-        try:
-            server, server_id = self._session_of(session_id)
-            self._servers.opened(server, -1)
-            await self._sticky(server, "DELETE", f"/v1/sessions/{server_id}")
-        except SessionNotFound:
-            pass
+        await self._drive(self._close_session_steps(session_id))
 
     async def close(self) -> None:
         await asyncio.gather(*(http.aclose() for pools in self._pools for http in pools.clients))
@@ -764,103 +570,3 @@ class AsyncSandboxClient(_Common):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class InProcessClient:
-    """The async client's interface over a kernel pool in this process: no server, no HTTP.
-
-    For the single-process (local) backend. `await client.start()` (or `async with`) first. It has no servers,
-    so there is no list to take: for more kernels, raise the pool's sizes (or run services and list their URLs).
-    """
-
-    def __init__(
-        self,
-        settings: Any = None,
-        *,
-        max_sessions: int = 1024,
-        session_idle_s: float = 3600.0,
-        max_running: int = 8,
-        busy_retries: int = 3,
-    ):
-        from stare_sandbox.pool import KernelPool, PoolSettings
-        from stare_sandbox.sessions import SessionStore
-
-        # A call that got no kernel within queue_wait_s never ran its code: wait again, as the HTTP clients
-        # retry the service's 503, up to busy_retries more times (a slow machine, not a broken pool).
-        self.busy_retries = busy_retries
-
-        self.pool = KernelPool(settings or PoolSettings())
-        self.sessions = SessionStore(self.pool, max_sessions, session_idle_s)
-        # Stateless calls beyond this wait for a running one to finish (as the service's admission does):
-        # a burst of calls then reuses warm kernels instead of starting one kernel per call.
-        self._running = asyncio.Semaphore(max_running)
-
-    async def start(self) -> InProcessClient:
-        await self.pool.start()
-        return self
-
-    async def health(self) -> dict[str, Any]:
-        isolation = self.pool.isolation.as_dict() if self.pool.isolation else None
-        return {"status": "ok", "isolation": isolation, "sessions": len(self.sessions)}
-
-    async def create_session(self) -> str:
-        return await self._guard(lambda: self._until_a_kernel(self.sessions.create))
-
-    async def execute(self, code: str, session_id: str | None = None, timeout_s: float | None = None) -> RunResult:
-        from stare_sandbox.kernel import SandboxError
-        from stare_sandbox.sessions import call_timeout, run_stateless
-
-        timeout, capped = call_timeout(self.pool.settings, timeout_s)
-        if session_id is not None and not self.sessions.exists(session_id):
-            raise SessionNotFound(session_id)
-        started = time.perf_counter()
-        try:
-            if session_id is None:
-                async with self._running:
-                    result = await self._until_a_kernel(lambda: run_stateless(self.pool, code, timeout))
-            else:
-                result = await self._until_a_kernel(lambda: self.sessions.execute(session_id, code, timeout))
-        except SandboxError as exc:  # as the HTTP service answers it
-            elapsed = (time.perf_counter() - started) * 1000
-            result = RunResult(
-                status="sandbox_error", error={"name": "SandboxError", "message": str(exc)}, duration_ms=elapsed
-            )
-        except KeyError:
-            raise SessionNotFound(session_id) from None
-        return result.model_copy(update={"timeout_s": timeout, "timeout_capped": capped})
-
-    async def close_session(self, session_id: str) -> None:
-        await self.sessions.close(session_id)
-
-    async def close(self) -> None:
-        """Close the sessions, then stop every kernel and remove the scratch dirs (also if cancelled meanwhile)."""
-        try:
-            await self.sessions.close_all()
-        finally:
-            await self.pool.close()
-
-    async def __aenter__(self) -> InProcessClient:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def _until_a_kernel(self, call: Callable[[], Awaitable[T]]) -> T:
-        from stare_sandbox.kernel import KernelsBusy
-
-        for attempt in range(self.busy_retries + 1):
-            try:
-                return await call()
-            except KernelsBusy:
-                if attempt == self.busy_retries:
-                    raise
-        raise AssertionError("unreachable")
-
-    @staticmethod
-    async def _guard(call: Callable[[], Awaitable[T]]) -> T:
-        from stare_sandbox.kernel import SandboxError
-
-        try:
-            return await call()
-        except SandboxError as exc:
-            raise SandboxUnavailable(str(exc)) from exc

@@ -8,7 +8,7 @@ checked and converted by pydantic against the annotations, each dataclass's `__p
 ranges, and every error names the key, what is allowed and where the value came from (file:line or
 the override), with a suggestion for a misspelt key.
 
-It lives in the `sandbox` package because the sandbox is deployable on its own and never imports
+It lives in the `stare_sandbox` package because the sandbox is deployable on its own and never imports
 `stare_agent`, while both read configs this way (`stare_agent.config` re-exports it).
 """
 

@@ -25,7 +25,8 @@ from procs import _stat, alive, cmdline, descendants, processes_tied_to  # tests
 
 import stare_sandbox.isolation as isolation
 import stare_sandbox.pool as pool_module
-from stare_sandbox.client import InProcessClient, SandboxClient, SandboxUnavailable
+from stare_sandbox.client import SandboxClient, SandboxUnavailable
+from stare_sandbox.inprocess import InProcessClient
 from stare_sandbox.isolation import _PDEATHSIG_EXEC, Limits, detect_isolation
 from stare_sandbox.kernel import Kernel, KernelsBusy, SandboxError
 from stare_sandbox.pool import KernelPool, PoolSettings
@@ -110,7 +111,7 @@ def test_python_prefix_refuses_to_run_for_a_parent_that_is_gone():
 POOL_OWNER = """
 import asyncio, sys
 from pathlib import Path
-from stare_sandbox.client import InProcessClient
+from stare_sandbox.inprocess import InProcessClient
 from stare_sandbox.pool import PoolSettings
 
 async def main(root: Path, isolation: str, ready: Path) -> None:

@@ -18,13 +18,8 @@ import httpx
 import pytest
 
 from stare_sandbox.app import ServerSettings, open_files_needed
-from stare_sandbox.client import (
-    AsyncSandboxClient,
-    InProcessClient,
-    SandboxClient,
-    SandboxUnavailable,
-    SessionNotFound,
-)
+from stare_sandbox.client import AsyncSandboxClient, SandboxClient, SandboxUnavailable, SessionNotFound
+from stare_sandbox.inprocess import InProcessClient
 from stare_sandbox.pool import PoolSettings
 
 REPO = Path(__file__).resolve().parents[2]
