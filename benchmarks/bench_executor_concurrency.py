@@ -9,7 +9,7 @@ too long for a kernel, and how long do calls wait?
 
 What runs: `ReToolExecutor.execute` (stare_agent/backends/openrlhf/episodes.py), N at once with asyncio.gather
 and called by keyword, as OpenRLHF 0.11.2's engine actor runs a step's episodes; a real tokenizer (the tiny test
-model's, `stare_agent.models.build_tiny_model`); real Jupyter kernels, either
+model's, `stare_agent.lab.models.build_tiny_model`); real Jupyter kernels, either
     in-process  the executor's own default client (sandbox.url empty): a kernel pool in this process, sized by
                 `episodes.concurrent_episodes(config)` (prompts_per_step x group_size = 512 in stateful mode); or
     server      a real `python -m stare_sandbox serve` on loopback (sandbox.url), sized by docs/sandbox.md's rule for
@@ -556,7 +556,7 @@ def load_tokenizer(path: str, workdir: Path) -> Any:
     from transformers import AutoTokenizer
 
     if not path:
-        from stare_agent.models import build_tiny_model, tiny_corpus
+        from stare_agent.lab.models import build_tiny_model, tiny_corpus
 
         path = str(build_tiny_model(workdir / "tiny_model", tiny_corpus()))
     return AutoTokenizer.from_pretrained(path)

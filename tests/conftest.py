@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A Hugging Face folder (tokenizer + random fp32 Qwen2ForCausalLM) built from `tiny_corpus()`."""
-    from stare_agent.models import build_tiny_model, tiny_corpus  # imported here: transformers takes ~3 s to load
+    from stare_agent.lab.models import build_tiny_model, tiny_corpus  # imported here: transformers takes ~3 s to load
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), tiny_corpus())
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from stare_agent.config import ConfigError, RLConfig, SimulateConfig, StareConfig, load_config, save_config
+from stare_agent.config import ConfigError, RLConfig, StareConfig, load_config, save_config
+from stare_agent.lab.simulate import SimulateConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,18 +102,18 @@ def test_saved_config_loads_back_equal(tmp_path):
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     """configs/<command>*.yaml is a config of that command."""
-    from stare_agent.cli import CONFIGS
+    from stare_agent.cli import COMMANDS, config_class
 
-    command = next(c for c in sorted(CONFIGS, key=len, reverse=True) if path.name.startswith(c))
-    load_config(CONFIGS[command], path)
+    command = next(c for c in sorted(COMMANDS, key=len, reverse=True) if path.name.startswith(c))
+    load_config(config_class(command), path)
 
 
 @pytest.mark.parametrize("command", ["sft", "rl", "eval", "quickstart"])
 def test_training_configs_save_and_load_back_equal(tmp_path, command):
-    from stare_agent.cli import CONFIGS
+    from stare_agent.cli import config_class
 
-    config = load_config(CONFIGS[command], None, ["run.seed=3"])
-    assert load_config(CONFIGS[command], save_config(config, tmp_path)) == config
+    config = load_config(config_class(command), None, ["run.seed=3"])
+    assert load_config(config_class(command), save_config(config, tmp_path)) == config
 
 
 # A key changes exactly that key: a section the root fills with its own defaults keeps them.
@@ -129,7 +130,8 @@ NESTED = [
 @pytest.mark.parametrize("source", ["override", "file"])
 @pytest.mark.parametrize(("key", "value", "read"), NESTED, ids=[k for k, _, _ in NESTED])
 def test_a_nested_quickstart_key_changes_only_that_key(tmp_path, source, key, value, read):
-    from stare_agent.config import QuickstartConfig, to_dict
+    from stare_agent.config import to_dict
+    from stare_agent.lab.quickstart import QuickstartConfig
 
     if source == "override":
         config = load_config(QuickstartConfig, None, [f"{key}={value}"])

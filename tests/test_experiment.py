@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from tiny import TINY_QUICKSTART  # tests/tiny.py
 
-from stare_agent.backends.local import experiment
 from stare_agent.cli import main
-from stare_agent.config import ConfigError, ExperimentConfig, RLConfig, load_config
-from stare_agent.stats import bootstrap_interval, t_interval
+from stare_agent.config import ConfigError, RLConfig, load_config
+from stare_agent.lab import experiment, report
+from stare_agent.lab.experiment import ExperimentConfig
+from stare_agent.lab.stats import bootstrap_interval, t_interval
 
 TINY = [*TINY_QUICKSTART, "eval.k=2"]
 
@@ -150,5 +151,5 @@ def test_the_entropy_plot_marks_each_targets_variants_and_none_for_grpo():
             "b: {enabled: true, target_entropy: 0.18}, c: {enabled: true}}",
         ],
     )
-    assert experiment.entropy_targets(config, ["grpo-ds", "a", "b", "c"]) == {0.18: ["a", "b"], 0.12: ["c"]}
-    assert experiment.entropy_targets(config, ["grpo-ds"]) == {}
+    assert report.entropy_targets(config, ["grpo-ds", "a", "b", "c"]) == {0.18: ["a", "b"], 0.12: ["c"]}
+    assert report.entropy_targets(config, ["grpo-ds"]) == {}

@@ -1,37 +1,22 @@
-"""The scripts in benchmarks/ that read runs (rl_experiment, rl_diagnostics, heldout_noise, program_styles,
-paired_evals): their
-tables from hand-made metrics rows and evaluation files."""
+"""The lab's analysis tools that read runs (stare-agent lab rl_experiment, rl_diagnostics, heldout_noise,
+program_styles, paired_evals): their tables from hand-made metrics rows and evaluation files."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import statistics
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-from stare_agent.config import QuickstartConfig, save_config
-from stare_agent.stats import t_quantile
-from stare_agent.tasks import generate_tasks
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-experiment = _load("rl_experiment")
-diagnostics = _load("rl_diagnostics")
-heldout_noise = _load("heldout_noise")
-program_styles = _load("program_styles")
-paired_evals = _load("paired_evals")
+from stare_agent.config import save_config
+from stare_agent.lab.analysis import heldout_noise, paired_evals, program_styles
+from stare_agent.lab.analysis import rl_diagnostics as diagnostics
+from stare_agent.lab.analysis import rl_experiment as experiment
+from stare_agent.lab.quickstart import QuickstartConfig
+from stare_agent.lab.stats import t_quantile
+from stare_agent.lab.tasks import generate_tasks
 
 
 def _row(step, entropy, accuracy, regime, w_star=None, lam=1.0, gam=1.0, precision=0.5):

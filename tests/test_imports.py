@@ -134,3 +134,16 @@ def test_the_backends_leave_the_stare_step_to_the_shared_layer():
                 names = {node.attr}
             offenders += [f"{path.relative_to(PACKAGE)} uses {name}" for name in sorted(names & own)]
     assert offenders == []
+
+
+def test_nothing_outside_the_lab_imports_it():
+    """Three tiers: the product core and the backends never import the lab (tasks, toy, tiny models, pipelines,
+    analysis); only the command line dispatches to it."""
+    offenders = [
+        f"{path.relative_to(PACKAGE)} imports {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "lab" and path.name != "cli.py"
+        for name in imported_modules(path)
+        if name.startswith("stare_agent.lab")
+    ]
+    assert offenders == []

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from stare_agent.models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model, tiny_corpus, train_tokenizer
+from stare_agent.lab.models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model, tiny_corpus, train_tokenizer
 
 STRINGS = [
     "",

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from tiny import TINY_QUICKSTART  # tests/tiny.py
 
-from stare_agent.backends.local import evaluate, quickstart
+from stare_agent.backends.local import evaluate
 from stare_agent.cli import main
-from stare_agent.config import EvalConfig, QuickstartConfig, load_config
+from stare_agent.config import EvalConfig, load_config
 from stare_agent.data import write_records
-from stare_agent.tasks import generate_tasks
+from stare_agent.lab import quickstart
+from stare_agent.lab.quickstart import QuickstartConfig
+from stare_agent.lab.tasks import generate_tasks
 
 
 def test_eval_on_a_tiny_model_writes_reports(tmp_path, tiny_model_dir):
@@ -111,8 +114,12 @@ def test_a_small_quickstart_runs_end_to_end_and_plot_redraws(tmp_path):
         low, high = result["avg@k_ci95"]
         assert low <= result["avg@k"] <= high
     assert "avg@k [95% bootstrap interval over problems]" in (run_dir / "summary.md").read_text()
-    for stage in ("sft", "rl-grpo-ds", "rl-stare-O1", "eval-sft"):
+    for stage in ("sft", "rl-grpo-ds", "rl-stare-O1", "eval-sft", "eval-grpo-ds", "eval-stare-O1"):
         assert (run_dir / stage / "config.yaml").exists()
+    for arm in ("grpo-ds", "stare-O1"):  # side by side: each arm in its own process, one thread, its own log
+        assert "rl: trained 2 of 2 steps" in (run_dir / f"rl-{arm}.log").read_text()
+        assert yaml.safe_load((run_dir / f"rl-{arm}" / "config.yaml").read_text())["run"]["threads"] == 1
+    assert "arms, side by side (wall)" in summary["timings_s"]
     (run_dir / "plots" / "entropy.png").unlink()
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "plots" / "entropy.png").exists()

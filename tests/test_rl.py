@@ -22,8 +22,8 @@ from stare_agent.agent import EpisodeResult, Sample
 from stare_agent.backends.local import rl
 from stare_agent.config import ConfigError, RLConfig, load_config
 from stare_agent.data import load_problems, write_records
+from stare_agent.lab.tasks import generate_tasks
 from stare_agent.step import regime_of
-from stare_agent.tasks import generate_tasks
 from stare_agent.theory import REGIMES, batch_diagnostics
 
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from stare_agent.config import SimulateConfig, StareConfig
-from stare_agent.simulate import sweep, train_toy, window_mean
+from stare_agent.config import StareConfig
+from stare_agent.lab.simulate import SimulateConfig, sweep, train_toy, window_mean
 
 
 def test_sweep_has_grpo_open_loop_and_gated_runs():

@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from stare_agent.data import Problem
-from stare_agent.tasks import FAMILIES, generate_tasks, split_of
+from stare_agent.lab.tasks import FAMILIES, generate_tasks, split_of
 
 
 def run_snippet(code: str) -> str:
@@ -129,8 +129,8 @@ def test_sft_transcripts_hold_real_sandbox_output():
     import asyncio
 
     from stare_agent import protocol
+    from stare_agent.lab.tasks import make_sft_rows
     from stare_agent.reward import score
-    from stare_agent.tasks import make_sft_rows
     from stare_sandbox.inprocess import InProcessClient
     from stare_sandbox.pool import PoolSettings
 
@@ -160,8 +160,8 @@ def test_mixed_style_transcripts_use_every_style_and_one_style_keeps_the_usual_p
     import asyncio
 
     from stare_agent import protocol
+    from stare_agent.lab.tasks import make_sft_rows
     from stare_agent.reward import score
-    from stare_agent.tasks import make_sft_rows
     from stare_sandbox.inprocess import InProcessClient
     from stare_sandbox.pool import PoolSettings
 

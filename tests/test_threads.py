@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from stare_agent import cli
-from stare_agent.config import ConfigError, RunConfig, SFTConfig, SimulateConfig, load_config
+from stare_agent.config import ConfigError, RunConfig, SFTConfig, load_config
+from stare_agent.lab.simulate import SimulateConfig
 
 seen: list[int] = []
 
@@ -19,7 +20,7 @@ def run(config: SimulateConfig) -> None:
 @pytest.fixture
 def fake_simulate(monkeypatch):
     before = torch.get_num_threads()
-    monkeypatch.setitem(cli.COMMANDS, "simulate", (SimulateConfig, __name__))
+    monkeypatch.setitem(cli.COMMANDS, "simulate", ("stare_agent.lab.simulate:SimulateConfig", __name__))
     seen.clear()
     yield seen
     torch.set_num_threads(before)

@@ -18,15 +18,85 @@ import csv
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from stare_agent.config import SimulateConfig, StareConfig, ToyTaskConfig, run_path, save_config
+from stare_agent.config import RunConfig, run_path, save_config
 from stare_agent.loss import group_advantages, policy_loss
-from stare_agent.stare import StareController, select_quadrants
+from stare_agent.stare import StareConfig, StareController, select_quadrants
 from stare_agent.theory import REGIMES, batch_diagnostics, entropy_and_s2, phi
+
+# --- the command's config ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ToyTaskConfig:
+    """The STARE dynamics toy: independent softmax positions with a verifiable reward.
+
+    Each prompt has `length` positions, each a free softmax over `vocab` tokens (a tabular
+    policy). At every position `valid_tokens` of the tokens are correct; a response earns
+    reward 1 iff at most `max_wrong` of its positions hold a wrong token.
+    """
+
+    vocab: int = 16
+    """Tokens per position."""
+    length: int = 64
+    """Positions per response (the response length)."""
+    prompts: int = 64
+    """Distinct prompts, each with its own logits."""
+    valid_tokens: int = 4
+    """Correct tokens at each position; more than one leaves room for diversity the reward does not need."""
+    max_wrong: int = 0
+    """A response is correct iff at most this many positions hold a wrong token."""
+    init_std: float = 1.0
+    """Std of the initial logits."""
+    valid_bias: float = 5.5
+    """Added to the initial logits of valid tokens, so the first policy already succeeds sometimes."""
+    steps: int = 400
+    """Optimizer steps per run."""
+    batch_prompts: int = 16
+    """Prompts per step."""
+    group_size: int = 8
+    """Responses sampled per prompt (the GRPO group)."""
+    lr: float = 4000.0
+    """SGD step on the logits; the loss is a token-level mean, so this is per-token step x tokens per batch."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "length", "prompts", "steps", "batch_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for group-normalized advantages; got {self.group_size}")
+        if not 1 <= self.valid_tokens < self.vocab:
+            raise ValueError(f"valid_tokens must be in [1, vocab); got {self.valid_tokens} with vocab={self.vocab}")
+        if not 0 <= self.max_wrong < self.length:
+            raise ValueError(f"max_wrong must be in [0, length); got {self.max_wrong} with length={self.length}")
+        if self.batch_prompts > self.prompts:
+            raise ValueError(f"batch_prompts must be <= prompts={self.prompts}; got {self.batch_prompts}")
+        if not (self.lr > 0 and self.init_std >= 0):
+            raise ValueError(f"lr must be > 0 and init_std >= 0; got lr={self.lr}, init_std={self.init_std}")
+
+
+@dataclass
+class SimulateConfig:
+    """`stare-agent simulate`: GRPO vs STARE on the toy task, entropy over steps."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    toy: ToyTaskConfig = field(default_factory=ToyTaskConfig)
+    stare: StareConfig = field(default_factory=StareConfig)
+    """Base STARE settings; the sweeps below vary w and the gate on top of them."""
+    open_loop_w: list[float] = field(default_factory=lambda: [1.01, 1.05, 1.1, 1.5, 2.0, 4.0])
+    """W values for op O1 with the gate off."""
+    gated_w: list[float] = field(default_factory=lambda: [1.05, 1.1, 1.5, 2.0, 4.0])
+    """W values for op O1 with stare.gate (batch unless set) at stare.target_entropy."""
+
+    def __post_init__(self) -> None:
+        bad = [w for w in [*self.open_loop_w, *self.gated_w] if w < 1.0]
+        if bad:
+            raise ValueError(f"open_loop_w and gated_w values must be >= 1; got {bad}")
+
 
 # Columns of simulate.csv, one row per (run, step).
 COLUMNS = [

@@ -1,6 +1,6 @@
 """How wide is a held-out accuracy's interval at a given number of problems? From one finished evaluation.
 
-    python benchmarks/heldout_noise.py EVAL_DIR [EVAL_DIR ...] [--subsets 32 64 128]
+    stare-agent lab heldout_noise EVAL_DIR [EVAL_DIR ...] [--subsets 32 64 128]
 
 For each evaluation folder (`stare-agent eval` output with one benchmark), prints avg@k and its 95% bootstrap
 interval over problems for the whole set and for its first N problems: the evaluation noise a comparison of two
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stare_agent.backends.local.experiment import eval_numbers
-from stare_agent.stats import bootstrap_interval
+from stare_agent.lab.report import eval_numbers
+from stare_agent.lab.stats import bootstrap_interval
 
 
 def main(argv: list[str] | None = None) -> None:

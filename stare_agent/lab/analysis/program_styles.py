@@ -1,6 +1,6 @@
 """Which program style each sample of an evaluation chose: the collapse onto one style, measured directly.
 
-    python benchmarks/program_styles.py TEST_FILE EVAL_DIR [EVAL_DIR ...] [--by-family] [--min-ratio 0.8]
+    stare-agent lab program_styles TEST_FILE EVAL_DIR [EVAL_DIR ...] [--by-family] [--min-ratio 0.8]
 
 TEST_FILE is the synthetic test set the evaluations ran on (`stare-agent data make-tasks`); each row names
 every correct program of its problem, one per style (`meta.solution_code`, the family's usual one, then
@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from stare_agent.backends.local.experiment import eval_results
+from stare_agent.lab.report import eval_results
 
 OTHER = "other"
 

@@ -1,6 +1,6 @@
 """Two evaluations of each run on the same problems (say a run's checkpoint at step 60 and at step 120): the change.
 
-    python benchmarks/paired_evals.py --before EVAL_DIR [EVAL_DIR ...] --after EVAL_DIR [EVAL_DIR ...] [--curve]
+    stare-agent lab paired_evals --before EVAL_DIR [EVAL_DIR ...] --after EVAL_DIR [EVAL_DIR ...] [--curve]
 
 The i-th folder of --before is paired with the i-th of --after (one pair per seed). Per pair: avg@k and the
 largest pass@k before and after, and their changes; over the pairs: the mean change with its 95% t-interval
@@ -20,9 +20,9 @@ import math
 import statistics
 from pathlib import Path
 
-from stare_agent.backends.local.experiment import eval_numbers, eval_results
 from stare_agent.eval import pass_at_k, pass_ks
-from stare_agent.stats import bootstrap_interval, t_interval
+from stare_agent.lab.report import eval_numbers, eval_results
+from stare_agent.lab.stats import bootstrap_interval, t_interval
 
 
 def _numbers(folder: Path) -> dict:

@@ -7,7 +7,7 @@ variant's final-window entropy and accuracy, with --blocks N the mean entropy / 
 N steps; and one entropy figure. Already finished runs are reused, so rerunning the command on a finished
 OUT only prints the tables.
 
-    python benchmarks/rl_experiment.py runs/quickstart-XXXX --out docs/experiments/quickstart \\
+    stare-agent lab rl_experiment runs/quickstart-XXXX --out docs/experiments/quickstart \\
         --seeds 0 1 2 --variants grpo-ds stare-O1 stare-C2 [--steps 36] [--blocks 10] [key=value ...]
 
 Variants: grpo-ds (stare.enabled=false), stare-O1, stare-C2 (the quickstart's STARE settings with
@@ -23,11 +23,12 @@ from pathlib import Path
 
 from stare_agent.backends.local import rl
 from stare_agent.backends.local.common import read_metrics
-from stare_agent.backends.local.quickstart import REGIMES, mean, run_summary
 from stare_agent.config import RLConfig, RunConfig, load_config
-from stare_agent.plots import smooth
+from stare_agent.lab.plots import smooth
+from stare_agent.lab.runs import mean, run_summary
+from stare_agent.lab.stats import t_interval
 from stare_agent.runtime import set_threads
-from stare_agent.stats import t_interval
+from stare_agent.theory import REGIMES
 
 VARIANTS = {
     "grpo-ds": {"enabled": False},

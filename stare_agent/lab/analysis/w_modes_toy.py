@@ -1,6 +1,6 @@
 """Fixed, adaptive and critical W on the STARE toy task (stare-agent simulate's), over seeds.
 
-    python benchmarks/w_modes_toy.py [--config configs/simulate_small_steps.yaml] [--seeds 0 1 2 3 4]
+    stare-agent lab w_modes_toy [--config configs/simulate_small_steps.yaml] [--seeds 0 1 2 3 4]
         [--steps N] [--target H] [--fixed 1.1 2] [--margins 0.1 0.5 1] [--out docs/img/w_modes_toy.png]
 
 The toy (docs/simulation.md) collapses under plain GRPO: entropy falls from about 1.2 to 0.15 nats in 400
@@ -28,11 +28,11 @@ import dataclasses
 import statistics
 from pathlib import Path
 
-from stare_agent.config import RunConfig, SimulateConfig, load_config
+from stare_agent.config import RunConfig, load_config
+from stare_agent.lab.simulate import SimulateConfig, train_toy
+from stare_agent.lab.stats import t_interval
 from stare_agent.runtime import set_threads
-from stare_agent.simulate import train_toy
 from stare_agent.stare import StareConfig
-from stare_agent.stats import t_interval
 
 
 def modes(target: float, fixed: list[float], margins: list[float]) -> dict[str, StareConfig]:

@@ -2,7 +2,7 @@
 
 docs/quickstart.md ("Choosing the STARE settings by measurement") quotes what this prints.
 
-    python benchmarks/rl_diagnostics.py RUN_DIR [RUN_DIR ...] [--per-step] [--blocks N]
+    stare-agent lab rl_diagnostics RUN_DIR [RUN_DIR ...] [--per-step] [--blocks N]
 
 Per run: steps; steps in each theory/regime; steps per sign of (Lambda, Gamma); proxy precision and W*
 as range and median over the steps where each is defined (W* only in the needs_w regime); the mean over
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from stare_agent.backends.local.common import read_metrics
-from stare_agent.backends.local.quickstart import logged, mean, regime_counts, regimes_text, spread, spread_text
+from stare_agent.lab.runs import logged, mean, regime_counts, regimes_text, spread, spread_text
 from stare_agent.step import regime_of
 
 

@@ -1,0 +1,3 @@
+"""Analysis tools over finished runs and evaluations, each `main(argv)`: `stare-agent lab TOOL [args]`."""
+
+TOOLS = ("rl_experiment", "rl_diagnostics", "paired_evals", "program_styles", "heldout_noise", "w_modes_toy")

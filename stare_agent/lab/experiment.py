@@ -1,0 +1,285 @@
+"""`stare-agent experiment`: RL variants x seeds from one SFT checkpoint, each evaluated on held-out problems.
+
+The folder `run.output_dir/run.name` holds, as the quickstart's does:
+
+    config.yaml, data/, model/, sft/, eval-sft/          made once ("prepare"), seeded by run.seed
+    rl-<variant>-s<seed>/, eval-<variant>-s<seed>/      one RL run and its evaluation per variant and seed
+    report.md, report.json, entropy.png                 over every finished run ("report")
+
+A stage whose output is complete is skipped, so rerunning the command resumes a sweep. The shared stages and
+each run happen under a file lock, so several commands (say `seeds=[0]` and `seeds=[1]`, one per core) may
+share one folder: a command waits for a run another one is doing and then reuses it.
+Each run's numbers come from its own metrics.jsonl and eval results; the report's intervals are over seeds.
+
+With `results_dir` (stare_agent/lab/results.py), a sweep outlives its output folder: the data, the SFT model
+and each finished run's numbers are copied there, and a later command restores them instead of making them
+again. New runs then start from the very SFT weights the kept runs started from: remaking SFT would give other
+weights (float sums differ with thread timing), so the runs of a sweep would not share their start. The report
+is stare_agent/lab/report.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from stare_agent.backends.local import evaluate, rl, sft
+from stare_agent.backends.local.common import latest_checkpoint
+from stare_agent.config import ConfigError, RunConfig, load_config, run_path, save_config, to_dict
+from stare_agent.lab import results
+from stare_agent.lab.models import build_tiny_model, tiny_corpus
+from stare_agent.lab.quickstart import QuickstartConfig, make_data
+from stare_agent.lab.report import write_report
+from stare_agent.stare import StareConfig
+
+# --- the command's config -----------------------------------------------------------------------------------------
+
+_VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass
+class ExperimentConfig(QuickstartConfig):
+    """`stare-agent experiment`: the quickstart's pipeline with several RL variants and seeds, for measurements.
+
+    Data, tiny model and SFT are made once (seeded by run.seed); then every variant runs RL for every seed
+    from that SFT checkpoint, each run is evaluated on the held-out problems, and a report with intervals
+    over seeds is written. Every stage that has finished is reused, so the same command resumes a sweep,
+    and several commands with different `seeds` or `only` may run at once on one output folder."""
+
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """RL seeds (each sets rl.run.seed: the prompts drawn and the sampling)."""
+    variants: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {"grpo-ds": {"enabled": False}, "stare-O1": {"enabled": True, "op": "O1"}}
+    )
+    """name -> keys of `rl.stare` that this variant changes (the rest is rl.stare)."""
+    only: list[str] = field(default_factory=list)
+    """Variants to run now (empty = all); the report covers every finished run."""
+    stage: Literal["all", "prepare", "report"] = "all"
+    """all: whatever is missing, then the report; prepare: data, model, SFT and its evaluation; report: only that."""
+    results_dir: str = ""
+    """A folder outside the repository for a sweep spread over several machines or sessions: it gets the data,
+    the SFT model and each finished run's numbers as they are made, and a command restores what its output
+    folder lacks from it, so new runs start from the same SFT weights. Its config.yaml must match the command's
+    (run.output_dir and run.name may differ). Empty: none. Model weights are never committed to git."""
+
+    def __post_init__(self) -> None:
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be a non-empty list of distinct integers; got {self.seeds}")
+        if not self.variants:
+            raise ValueError("variants must name at least one variant")
+        for name in self.variants:
+            if not _VARIANT_NAME.fullmatch(name):
+                raise ValueError(f"variant name {name!r} must be letters, digits, '_', '.' or '-' (it names folders)")
+            self.variant_stare(name)
+        unknown = [name for name in self.only if name not in self.variants]
+        if unknown:
+            raise ValueError(f"only names unknown variants {unknown}; the variants are {', '.join(self.variants)}")
+
+    def variant_stare(self, name: str) -> StareConfig:
+        """rl.stare with the variant's changes applied (checked like any StareConfig)."""
+        changes = self.variants[name] or {}
+        allowed = {f.name for f in dataclasses.fields(StareConfig)}
+        unknown = sorted(set(changes) - allowed)
+        if unknown:
+            raise ValueError(f"variants.{name}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+        try:
+            return dataclasses.replace(self.rl.stare, **changes)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"variants.{name}: {exc}") from None
+
+
+# --- the stages ---------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created), held for the block: one process prepares, the others wait."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _final_checkpoint(run_dir: Path, steps: int) -> Path | None:
+    """The run's last checkpoint if the run reached `steps`; None while it has not."""
+    last = latest_checkpoint(run_dir)
+    return last if last is not None and last.name == f"step-{steps:06d}" else None
+
+
+def _stage_run(run_dir: Path, name: str, seed: int, threads: int) -> RunConfig:
+    return RunConfig(output_dir=str(run_dir), name=name, seed=seed, threads=threads)
+
+
+def prepare(config: ExperimentConfig, run_dir: Path) -> dict[str, Path]:
+    """Data, tiny model, SFT and the SFT model's evaluation, each made only if missing; their paths."""
+    data_dir, seed = run_dir / "data", config.run.seed
+    with _locked(run_dir / ".prepare.lock"):
+        files = {
+            name: data_dir / f"{stem}.jsonl" for name, stem in (("sft", "sft"), ("rl", "rl_train"), ("test", "test"))
+        }
+        if not all(path.exists() for path in files.values()):
+            print("experiment: synthetic tasks and SFT transcripts (code run in the sandbox)")
+            files = make_data(config, run_dir)
+        model_dir = run_dir / "model"
+        if not (model_dir / "config.json").exists():
+            print("experiment: tiny model and tokenizer")
+            corpus = tiny_corpus() + [
+                m["content"] for line in files["sft"].read_text().splitlines() for m in json.loads(line)["messages"]
+            ]
+            build_tiny_model(model_dir, corpus, **asdict(config.model), seed=seed)
+        finished = run_dir / "sft" / "finished"  # names the final checkpoint once SFT has returned
+        if finished.exists():
+            checkpoint = Path(finished.read_text().strip())
+        else:
+            print("experiment: SFT")
+            checkpoint = sft.run(
+                replace(
+                    config.sft,
+                    run=_stage_run(run_dir, "sft", seed, config.run.threads),
+                    model=replace(config.sft.model, path=str(model_dir)),
+                    data=replace(config.sft.data, train_file=str(files["sft"])),
+                    resume="auto",
+                )
+            )
+            finished.write_text(f"{checkpoint}\n")
+        results.keep_sft(config.results_dir, files, checkpoint)
+        _evaluate(config, run_dir, "eval-sft", checkpoint, files["test"], seed)
+        results.keep(config.results_dir, run_dir, "eval-sft")
+    return {**files, "sft_model": checkpoint}
+
+
+def _evaluate(config: ExperimentConfig, run_dir: Path, name: str, model: Path, test: Path, seed: int) -> None:
+    if (run_dir / name / "results.json").exists():
+        return
+    print(f"experiment: evaluating {name.removeprefix('eval-')} on {test}")
+    evaluate.run(
+        replace(
+            config.eval,
+            run=_stage_run(run_dir, name, seed, config.run.threads),
+            model=replace(config.eval.model, path=str(model)),
+            files=[str(test)],
+        )
+    )
+
+
+def run_variant(config: ExperimentConfig, run_dir: Path, files: dict[str, Path], variant: str, seed: int) -> None:
+    """One RL run (resumed from its last checkpoint if it was cut short) and its evaluation."""
+    name = f"{variant}-s{seed}"
+    with _locked(run_dir / f".{name}.lock"):  # another command on this folder may be running the same one
+        _run_variant(config, run_dir, files, variant, seed, name)
+
+
+def _run_variant(
+    config: ExperimentConfig, run_dir: Path, files: dict[str, Path], variant: str, seed: int, name: str
+) -> None:
+    if _done(run_dir, name):  # evaluated (here, or restored from the results folder without checkpoints)
+        return
+    final = _final_checkpoint(run_dir / f"rl-{name}", config.rl.steps)
+    if final is None:
+        print(f"experiment: RL {name}, {config.rl.steps} steps")
+        final = rl.run(
+            replace(
+                config.rl,
+                run=_stage_run(run_dir, f"rl-{name}", seed, config.run.threads),
+                model=replace(config.rl.model, path=str(files["sft_model"])),
+                data=replace(config.rl.data, train_file=str(files["rl"])),
+                stare=config.variant_stare(variant),
+                resume="auto",
+            )
+        )
+    # Every model is scored with the same evaluation seed: the comparison between runs is paired.
+    _evaluate(config, run_dir, f"eval-{name}", final, files["test"], config.run.seed)
+    results.keep(config.results_dir, run_dir, f"rl-{name}", f"eval-{name}")
+
+
+def _done(run_dir: Path, name: str) -> bool:
+    return (run_dir / f"eval-{name}" / "results.json").exists()
+
+
+# Keys that may differ between commands sharing one experiment folder: what to run now, and how fast.
+PER_COMMAND = ("seeds", "only", "stage", "variants")
+
+
+def _join(config: ExperimentConfig, folder: Path, where: tuple[str, ...] = ()) -> ExperimentConfig:
+    """`config` checked against `folder`'s config.yaml (written if it has none; new variants added to it).
+    Returns the command's config with the folder's variants joined in."""
+    saved = folder / "config.yaml"
+    if not saved.exists():
+        save_config(config, folder)
+        return config
+    joined = check_same_experiment(config, saved, where)
+    if joined.variants != load_config(ExperimentConfig, saved).variants:
+        save_config(replace(load_config(ExperimentConfig, saved), variants=joined.variants), folder)
+    return replace(config, variants=joined.variants)
+
+
+def check_same_experiment(config: ExperimentConfig, saved_path: Path, where: tuple[str, ...] = ()) -> ExperimentConfig:
+    """The config to save: the folder's own config with any new variants added. Anything else that differs
+    from the folder's config (data, model, SFT, RL or eval settings, or an existing variant's changes) is an
+    error naming the keys: its finished runs would otherwise be reused as if made with the new settings.
+    Keys in `where` (where the folder is) may differ too."""
+    saved = load_config(ExperimentConfig, saved_path)
+    mine, theirs = _flat(to_dict(config)), _flat(to_dict(saved))
+    free = {"run.threads", "results_dir", *where}
+    differ = sorted(
+        key
+        for key in mine.keys() | theirs.keys()
+        if key.split(".")[0] not in PER_COMMAND and key not in free and mine.get(key) != theirs.get(key)
+    )
+    differ += [
+        f"variants.{name}"
+        for name in sorted(config.variants.keys() & saved.variants.keys())
+        if config.variants[name] != saved.variants[name]
+    ]
+    if differ:
+        raise ConfigError(
+            f"{saved_path.parent} holds an experiment made with other settings ({', '.join(differ)} differ from "
+            f"{saved_path}); use another run.name, or the same settings (seeds, only and stage may differ, and "
+            "new variants may be added)"
+        )
+    return replace(saved, variants={**saved.variants, **config.variants})
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "variants":
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def run(config: ExperimentConfig) -> Path:
+    run_dir = run_path(config.run, "experiment")
+    with _locked(run_dir / ".config.lock"):
+        folder_config = config
+        if config.results_dir:  # its settings must be this command's, as the output folder's must
+            folder_config = _join(config, Path(config.results_dir), where=("run.output_dir", "run.name"))
+            for name in results.restore(Path(config.results_dir), run_dir):
+                print(f"experiment: {name} restored from {config.results_dir}")
+        folder_config = _join(folder_config, run_dir)  # the report covers every variant of both folders
+    if config.stage != "report":
+        names = [f"{v}-s{seed}" for seed in config.seeds for v in config.only or list(config.variants)]
+        # Data and SFT only when something needs them: a sweep restored whole goes straight to its report.
+        if config.stage == "prepare" or not _done(run_dir, "sft") or not all(_done(run_dir, n) for n in names):
+            files = prepare(config, run_dir)
+        if config.stage == "all":
+            for seed in config.seeds:
+                for variant in config.only or list(config.variants):
+                    if not _done(run_dir, f"{variant}-s{seed}"):
+                        run_variant(config, run_dir, files, variant, seed)
+    report = write_report(folder_config, run_dir)  # every variant of the folder, not only this command's
+    print(report.read_text())
+    print(f"experiment: everything is in {run_dir}")
+    return run_dir
