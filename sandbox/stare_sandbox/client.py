@@ -62,10 +62,8 @@ KEEPALIVE_S = 10.0
 request on a connection the server closes at that moment fails after sending and cannot be retried safely.
 (Both httpx and uvicorn default to 5 s, so under load such races happened.)"""
 POOL_CONNECTIONS = 16
-"""Most connections in one httpx pool: a server's connections are split over pools of this size. httpcore's pool
-looks at every connection for each idle one whenever a request starts or ends, so its cost per call grows with
-the square of its size: measured with a stand-in server (benchmarks/bench_client.py), one pool of 128 busy
-connections cost 26 ms of client CPU per call against 1.2 ms split into pools of 16."""
+"""Most connections in one httpx pool: a server's connections are split over pools of this size, because
+httpcore's cost per call grows with the square of a pool's size (measured in docs/sandbox.md)."""
 PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 
 
@@ -399,14 +397,8 @@ class SandboxClient(_Common):
         down_backoff_s: float = 1.0,
     ):
         super().__init__(base_url, token, retries, backoff_s, timeout_s, down_backoff_s)
-        # Connection pools of their own per server (_Pools), none of whose idle connections is closed before
-        # keep-alive expiry (max_keepalive_connections = max_connections). httpcore 1.0.9 can close an idle
-        # connection it has just handed to a queued request, after that request was sent (encode/httpcore#1110):
-        # it fails after sending (ReadError) although the server ran it. A pool shared by all servers did that when
-        # full, closing an idle connection to one server to open one to another (a session creation lost in about
-        # one run in five of tests/sandbox/test_soak.py), and so does the clean-up of connections beyond
-        # max_keepalive_connections. Keep-alive expiry can still do it, in the moment between a request being
-        # given a connection and its start.
+        # Pools of their own per server that never close an idle connection before keep-alive expiry: an
+        # httpcore race (encode/httpcore#1110, docs/sandbox.md) can otherwise fail a request after it was sent.
         # max_connections is per server.
         self._pools = self._server_pools(httpx.Client, max_connections)
         self._http = self._pools[0].clients[0]  # one of the first server's, for relative requests made on it directly

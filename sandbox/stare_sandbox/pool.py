@@ -183,11 +183,8 @@ class KernelPool:
     gives back, up to `queue_wait_s` (then `KernelsBusy`).
     A kernel lent for a stateless run that is not its last counts as coming back, as one being reset does; one a
     session takes, or one whose run is its last (`reuse_limit`), leaves a shortfall that starts a successor at
-    once, while it is in use. (Counting every lent kernel as missing started a successor for each call on a full
-    pool, which retired as surplus when the lent kernel came back: a kernel start, ~0.5 CPU-s, per call.)
-    A waiting call starts a kernel only when no kernel is starting or being reset for it (`_shortfall`): on a pool
-    whose every kernel is lent, a call waits for the next reset (~10 ms) rather than for a start. For spare kernels
-    under a sustained stateless load, set `pool_size` above the calls that run at once.
+    once. A waiting call starts a kernel only when none is starting or being reset for it, so on a fully lent
+    pool it waits for the next reset rather than a start (why, with the costs: docs/sandbox.md).
     """
 
     FAILURE_CAUSES = ("timeout", "died", "warmup", "error")
@@ -521,8 +518,8 @@ class KernelPool:
         """Start kernels in the background while fewer than pool_size would be ready beyond the waiting calls
         (starts under way and kernels being reset count as coming), at most max_starting at once.
 
-        The bound is what keeps a burst from collapsing: a start costs ~0.5 s of CPU, and 30 of them at once on
-        2 cores took every one 10+ s, while all calls waited (docs/sandbox.md, stateless at concurrency 32).
+        The bound keeps a burst from collapsing: many starts at once on few cores slow every one of them while all
+        calls wait (docs/sandbox.md, stateless at concurrency 32).
         """
         if self._closed or self._specs is None or time.monotonic() < self._retry_at:
             return  # closed, not started yet (start() refills at its end), or pausing after a failed start

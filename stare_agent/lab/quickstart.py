@@ -98,8 +98,8 @@ class TaskDataConfig:
 
 
 def _quickstart_agent() -> AgentConfig:
-    # Stateless tools reuse warm kernels (~10 ms a call) where stateful sessions start a kernel per
-    # episode; the synthetic transcripts are self-contained programs, so nothing needs state. No system
+    # Stateless tools reuse warm kernels where stateful sessions start a kernel per episode; the
+    # synthetic transcripts are self-contained programs, so nothing needs state. No system
     # prompt: the tiny model learns the protocol from the SFT data, and short prompts keep it fast.
     # The task's programs finish in well under a second; a 3 s limit stops the model's runaway loops early.
     return AgentConfig(

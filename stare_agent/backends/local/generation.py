@@ -85,24 +85,10 @@ class GenerationStats:
 class HFGenerator:
     """`generator(prompts, max_new_tokens) -> list[Sample]` over a causal LM (fits agent.GenerateBatch).
 
-    Sampling of each row: logits / temperature, then nucleus (top-p) filtering, then a draw with this
-    generator's torch.Generator (seeded from `seed`: the same seed and the same calls give the same samples;
-    the generator advances from call to call). temperature 0 is greedy.
-
-    Returned log-probs are those of the distribution each id was actually sampled from: log_softmax of the
-    temperature-scaled logits, renormalised over the nucleus when top_p < 1. With temperature 1 and top_p 1
-    they are the model's own log-probs (what the RL importance ratio needs); otherwise the trainer must score
-    the policy under the same transformation. Greedy returns the log-prob of the argmax under the raw logits.
-
-    A turn ends with "eos" on an EOS id (the tokenizer's and those of model.generation_config; the id is kept),
-    "stop" when the text decoded from this call's ids contains a stop string (the id that completes it is the
-    last one kept, even if it decodes to more text), or "length" after min(max_new_tokens, max_turn_tokens)
-    ids or when the sequence reaches the model's max_position_embeddings. A prompt that already fills the
-    context gets an empty "length" sample.
-
-    The model is any Hugging Face causal LM (its forward takes input_ids, attention_mask, position_ids, a
-    cache, use_cache and logits_to_keep). It runs in eval mode under torch.inference_mode(); its previous
-    train/eval mode is restored after each call.
+    Each row samples logits / temperature under top-p with this generator's seeded torch.Generator (temperature
+    0: greedy), and returns the log-prob of each id under the distribution it was drawn from. A turn ends with
+    "eos" (id kept), "stop" (the id completing a stop string is the last kept) or "length" (the turn's budget or
+    the model's context). Sampling, log-probs and stops in full: docs/local_backend.md.
     """
 
     def __init__(
