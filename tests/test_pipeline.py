@@ -123,3 +123,18 @@ def test_a_small_quickstart_runs_end_to_end_and_plot_redraws(tmp_path):
     (run_dir / "plots" / "entropy.png").unlink()
     assert main(["plot", str(run_dir)]) == 0
     assert (run_dir / "plots" / "entropy.png").exists()
+
+
+def test_the_summary_says_what_the_run_can_and_cannot_show():
+    def summary(first, last, intervals):
+        rl = {
+            "rl-grpo-ds": {"entropy_first5_mean": first, "entropy_final_window_mean": last, "final_window_steps": 10}
+        }
+        return {"rl": rl, "eval": {name: {"avg@k_ci95": ci} for name, ci in intervals.items()}}
+
+    fell = quickstart.what_it_shows(summary(0.20, 0.15, {"sft": [0.2, 0.3], "grpo-ds": [0.25, 0.35]}))
+    assert fell[0].startswith("- GRPO-ds's entropy fell: 0.200 nats") and "A collapse shows" in fell[0]
+    assert "does not rank" in fell[1] and "cannot show" in fell[2]
+    flat = quickstart.what_it_shows(summary(0.12, 0.15, {"sft": [0.2, 0.3], "grpo-ds": [0.4, 0.5]}))
+    assert "did not fall by a tenth" in flat[0] and "mechanics" in flat[0]
+    assert "do not overlap" in flat[1]

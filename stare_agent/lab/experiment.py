@@ -53,6 +53,8 @@ class ExperimentConfig(QuickstartConfig):
     over seeds is written. Every stage that has finished is reused, so the same command resumes a sweep,
     and several commands with different `seeds` or `only` may run at once on one output folder."""
 
+    run: RunConfig = field(default_factory=RunConfig)
+    """One thread by default: several experiment commands may share the cores (one per core)."""
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """RL seeds (each sets rl.run.seed: the prompts drawn and the sampling)."""
     variants: dict[str, dict[str, Any]] = field(

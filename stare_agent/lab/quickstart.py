@@ -118,7 +118,9 @@ class QuickstartConfig:
     checkpoint for the same steps, evaluation of all three, plots and a summary. The sections `sft`,
     `rl` and `eval` are full command configs; the quickstart fills in their paths and run names."""
 
-    run: RunConfig = field(default_factory=RunConfig)
+    run: RunConfig = field(default_factory=lambda: RunConfig(threads=0))
+    """threads 0 (torch's default, one per core): the stages that run alone (data, SFT, the SFT model's
+    evaluation) use every core; with side_by_side the RL arms take one thread each."""
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     tasks: TaskDataConfig = field(default_factory=TaskDataConfig)
     sft: SFTConfig = field(
@@ -197,7 +199,7 @@ def run(config: QuickstartConfig) -> Path:
     wall = time.perf_counter()
 
     def stage_run(name: str) -> RunConfig:
-        return RunConfig(output_dir=str(run_dir), name=name, seed=seed)
+        return RunConfig(output_dir=str(run_dir), name=name, seed=seed, threads=config.run.threads)
 
     started = time.perf_counter()
     print("quickstart 1/5: synthetic tasks and SFT transcripts (code run in the sandbox)")
@@ -388,6 +390,48 @@ def settings_note(stare: StareConfig, baseline: list[dict[str, Any]], controlled
     )
 
 
+def what_it_shows(s: dict[str, Any]) -> list[str]:
+    """Plain statements read off this run's numbers: did GRPO-ds's entropy fall (the collapse STARE is for), and
+    do the held-out intervals separate the models. One seed of a small run; docs/experiments.md has the rest."""
+    base = s["rl"].get("rl-grpo-ds", {})
+    first, last = base.get("entropy_first5_mean"), base.get("entropy_final_window_mean")
+    lines = []
+    if first is not None and last is not None:
+        fell = last < 0.9 * first  # a fall of over a tenth: the rule this summary applies, not a test
+        lines.append(
+            f"- GRPO-ds's entropy {'fell' if fell else 'did not fall by a tenth'}: {fmt(first)} nats over its "
+            f"first 5 steps, {fmt(last)} over its last {base['final_window_steps']}. "
+            + (
+                "A collapse shows, and the STARE run's curve (plots/entropy.png) shows what the gate did about it."
+                if fell
+                else "With no collapse to correct, the STARE run shows the method's mechanics (gate, W, regimes), "
+                "not what it is for."
+            )
+        )
+    intervals = {name: r.get("avg@k_ci95") for name, r in s["eval"].items() if r.get("avg@k_ci95")}
+    names = list(intervals)
+    overlap = any(
+        intervals[a][0] <= intervals[b][1] and intervals[b][0] <= intervals[a][1]
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    )
+    if len(names) > 1:
+        lines.append(
+            "- Held-out accuracy: "
+            + (
+                "some intervals overlap, so this evaluation does not rank those models."
+                if overlap
+                else "the intervals do not overlap (one seed: RL's own variance is not in them)."
+            )
+        )
+    lines.append(
+        "- What it cannot show: a difference between methods over seeds, or GRPO-ds's collapse and its cost, which "
+        "take longer runs (docs/experiments.md: the mixed-styles regime, 60-120 steps of 16 prompts, 3 seeds; "
+        "configs/experiments/)."
+    )
+    return lines
+
+
 def summary_markdown(s: dict[str, Any]) -> str:
     st = s["stare_settings"]
     lines = [
@@ -444,6 +488,7 @@ def summary_markdown(s: dict[str, Any]) -> str:
         "A difference between two models smaller than their intervals is not shown by this evaluation: see "
         "docs/experiments.md for the comparison over RL seeds on 256 problems (`stare-agent experiment`).",
     ]
+    lines += ["", "## What this run can and cannot show", "", *what_it_shows(s)]
     lines += ["", "## The STARE settings, measured on this run", "", st["measured"], "", "## Files", ""]
     lines += [f"- {name}: `{path}`" for name, path in s["models"].items()]
     lines += [f"- plot: `{p}`" for p in s["plots"]]
