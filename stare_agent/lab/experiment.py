@@ -32,10 +32,10 @@ from typing import Any, Literal
 
 from stare_agent.backends.local import evaluate, rl, sft
 from stare_agent.backends.local.common import latest_checkpoint
-from stare_agent.config import ConfigError, RunConfig, load_config, run_path, save_config, to_dict
+from stare_agent.config import ConfigError, RLConfig, RunConfig, load_config, run_path, save_config, to_dict
 from stare_agent.lab import results
 from stare_agent.lab.models import build_tiny_model, tiny_corpus
-from stare_agent.lab.quickstart import QuickstartConfig, make_data
+from stare_agent.lab.quickstart import QuickstartConfig, make_data, quickstart_rl
 from stare_agent.lab.report import write_report
 from stare_agent.stare import StareConfig
 
@@ -55,6 +55,7 @@ class ExperimentConfig(QuickstartConfig):
 
     run: RunConfig = field(default_factory=RunConfig)
     """One thread by default: several experiment commands may share the cores (one per core)."""
+    rl: RLConfig = field(default_factory=lambda: quickstart_rl(steps=40))
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """RL seeds (each sets rl.run.seed: the prompts drawn and the sampling)."""
     variants: dict[str, dict[str, Any]] = field(

@@ -112,6 +112,19 @@ def _quickstart_agent() -> AgentConfig:
     )
 
 
+def quickstart_rl(steps: int) -> RLConfig:
+    """The quickstart's RL settings (the experiment runner's too): the tiny task's, not the paper's 7B values."""
+    return RLConfig(
+        agent=_quickstart_agent(),
+        rollout=RolloutConfig(prompts_per_step=8, group_size=8, max_turn_tokens=160, batch_size=64),
+        optim=OptimConfig(lr=2e-4),
+        loss=PolicyLossConfig(micro_batch_size=32),
+        # chosen by measurement on this task (docs/quickstart.md)
+        stare=StareConfig(op="O1", top_ratio=0.02, w=3.0, target_entropy=0.14, gate="batch"),
+        steps=steps,
+    )
+
+
 @dataclass
 class QuickstartConfig:
     """`stare-agent quickstart`: tiny model, synthetic data, SFT, then GRPO-ds and STARE from the same SFT
@@ -133,17 +146,8 @@ class QuickstartConfig:
             eval_every=100,
         )
     )
-    rl: RLConfig = field(
-        default_factory=lambda: RLConfig(
-            agent=_quickstart_agent(),
-            rollout=RolloutConfig(prompts_per_step=8, group_size=8, max_turn_tokens=160, batch_size=64),
-            optim=OptimConfig(lr=2e-4),
-            loss=PolicyLossConfig(micro_batch_size=32),
-            # chosen by measurement on this task (docs/quickstart.md), not the paper's 7B values
-            stare=StareConfig(op="O1", top_ratio=0.02, w=3.0, target_entropy=0.14, gate="batch"),
-            steps=40,
-        )
-    )
+    rl: RLConfig = field(default_factory=lambda: quickstart_rl(steps=24))
+    """24 steps: the main job's 15 minutes on 2 cores (docs/quickstart.md); experiments keep 40."""
     eval: EvalConfig = field(
         default_factory=lambda: EvalConfig(
             agent=_quickstart_agent(), k=4, temperature=1.0, top_p=1.0, max_turn_tokens=160, batch_size=64
@@ -425,9 +429,9 @@ def what_it_shows(s: dict[str, Any]) -> list[str]:
             )
         )
     lines.append(
-        "- What it cannot show: a difference between methods over seeds, or GRPO-ds's collapse and its cost, which "
-        "take longer runs (docs/experiments.md: the mixed-styles regime, 60-120 steps of 16 prompts, 3 seeds; "
-        "configs/experiments/)."
+        "- What one run of this size cannot show: a difference between methods beyond one seed's noise, or what a "
+        "collapse costs in held-out accuracy; those take longer runs over seeds (docs/experiments.md: the "
+        "mixed-styles regime, 60-120 steps of 16 prompts, 3 seeds; configs/experiments/)."
     )
     return lines
 
