@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="tool-integrated evaluation: avg@k and pass@k per benchmark")
     _add_config_args(evaluate, "eval")
     quickstart = sub.add_parser(
-        "quickstart", help="tiny model, synthetic data, SFT, GRPO-ds and STARE, eval, plots (~24 min on 2 CPU cores)"
+        "quickstart", help="tiny model, synthetic data, SFT, GRPO-ds and STARE, eval, plots (~13 min on 2 CPU cores)"
     )
     _add_config_args(quickstart, "quickstart")
     experiment = sub.add_parser(
