@@ -101,7 +101,8 @@ def episode_stats(result: EpisodeResult) -> dict[str, float]:
         "tool_calls": float(result.tool_calls),
         "tool_errors": float(result.tool_errors),
         "tool_seconds": sum(turn.duration_ms for turn in result.turns) / 1000,
-        **{f"finish_{reason}": float(finish == reason) for reason in ("answer", "eos")},
+        "finish_answer": float(finish == "answer"),
+        "finish_eos": float(finish == "eos"),
         "finish_length": float(finish == "length" and not too_long),
         "finish_tool_limit": float(finish == "tool_limit"),
         "finish_sandbox_error": float(finish == "sandbox_error"),
@@ -121,8 +122,9 @@ def rollout_metrics(episodes: Sequence[dict[str, float]]) -> dict[str, float]:
         "rollout/reward": sum(scored) / max(len(scored), 1),
         "rollout/accuracy": sum(r == 1.0 for r in scored) / max(len(scored), 1),
     }
-    for key in EPISODE_STATS[1:]:
-        metrics[f"rollout/{key}"] = sum(e[key] for e in episodes) / n
+    for key in EPISODE_STATS:
+        if key != "reward":
+            metrics[f"rollout/{key}"] = sum(e[key] for e in episodes) / n
     return metrics
 
 

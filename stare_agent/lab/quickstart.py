@@ -266,8 +266,8 @@ def run(config: QuickstartConfig) -> Path:
 
     runs = {f"rl-{name}": read_metrics(run_dir / f"rl-{name}") for name in variants}
     figures = plots.plot_runs(runs, run_dir / "plots", target_entropy=config.rl.stare.target_entropy)
-    summary = make_summary(config, runs, results, timings, models, figures, stare_name)
-    summary["total_s"] = round(time.perf_counter() - wall, 1)
+    total_s = time.perf_counter() - wall
+    summary = make_summary(config, runs, results, timings, models, figures, stare_name, total_s=total_s)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     (run_dir / "summary.md").write_text(summary_markdown(summary))
     print((run_dir / "summary.md").read_text())
@@ -320,7 +320,7 @@ def _arms_side_by_side(arms: dict[str, tuple[RLConfig, EvalConfig]], run_dir: Pa
         }
         bar = progress(steps * len(arms), "rl (all arms)")
         try:
-            while not concurrent.futures.wait(futures.values(), timeout=5).not_done == set():
+            while concurrent.futures.wait(futures.values(), timeout=5).not_done:
                 bar.update(_steps_logged(run_dir, arms) - bar.n)
             bar.update(_steps_logged(run_dir, arms) - bar.n)
         finally:
@@ -342,7 +342,7 @@ def _steps_logged(run_dir: Path, arms: dict[str, Any]) -> int:
     return total
 
 
-def make_summary(config, runs, results, timings, models, figures, stare_name) -> dict[str, Any]:
+def make_summary(config, runs, results, timings, models, figures, stare_name, total_s=None) -> dict[str, Any]:
     """summary.json: every number in it is computed from this quickstart's metrics, evals and timers."""
     stare = config.rl.stare
     return {
@@ -357,7 +357,7 @@ def make_summary(config, runs, results, timings, models, figures, stare_name) ->
         "rl": {name: run_summary(rows) for name, rows in runs.items()},
         "eval": results,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
-        "total_s": round(sum(timings.values()), 1),  # the run's wall clock replaces it (arms side by side)
+        "total_s": round(sum(timings.values()) if total_s is None else total_s, 1),  # the run's wall clock
         "models": {k: str(v) for k, v in models.items()},
         "plots": [str(p) for p in figures],
         "stare_run": f"rl-{stare_name}",
