@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sft = sub.add_parser("sft", help="cold-start SFT on tool-use transcripts (masked next-token loss)")
     _add_config_args(sft, "sft")
-    rl = sub.add_parser("rl", help="multi-turn RL: GRPO-ds with STARE (stare.enabled=false for plain GRPO-ds)")
+    rl = sub.add_parser("rl", help="multi-turn RL: GRPO-ds with STARE (entropy_control.method=none: plain GRPO-ds)")
     _add_config_args(rl, "rl")
     for training in (sft, rl):
         training.add_argument(

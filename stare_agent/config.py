@@ -18,6 +18,14 @@ from typing import Any, ClassVar, Literal, Union
 import yaml
 
 from stare_agent.agent import AgentConfig
+from stare_agent.entropy_control import (
+    ClipCovConfig,
+    EntropyBonusConfig,
+    EntropyControlConfig,
+    ForkingTokensConfig,
+    KLCovConfig,
+    LowProbReweightConfig,
+)
 from stare_agent.stare import StareConfig
 from stare_sandbox.client import check_url, check_urls
 from stare_sandbox.configfile import ConfigError, load_config
@@ -112,6 +120,20 @@ class OptimConfig:
             raise ValueError(f"betas must be two numbers in [0, 1); got {self.betas}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
+
+
+@dataclass
+class RLOptimConfig(OptimConfig):
+    """The RL optimizer: OptimConfig plus the updates each rollout batch is trained with."""
+
+    updates_per_batch: int = 1
+    """Mini-batches per rollout batch, one optimizer update each (1 = on-policy: the ratio is 1 at the update).
+    A step is one rollout batch, whatever this is; the batch's episodes must divide evenly."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.updates_per_batch < 1:
+            raise ValueError(f"updates_per_batch must be >= 1; got {self.updates_per_batch}")
 
 
 @dataclass
@@ -289,12 +311,19 @@ class RLConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    optim: RLOptimConfig = field(default_factory=lambda: RLOptimConfig(lr=1e-6))
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
+    """The entropy-control method (stare by default; none = GRPO-ds); its settings are the section of its name."""
     stare: StareConfig = field(default_factory=StareConfig)
-    """STARE settings; stare.enabled=false is GRPO-ds."""
+    """STARE (entropy_control.method stare); low_prob_reweight uses its op, W, M and gate too."""
+    clip_cov: ClipCovConfig = field(default_factory=ClipCovConfig)
+    kl_cov: KLCovConfig = field(default_factory=KLCovConfig)
+    forking_tokens: ForkingTokensConfig = field(default_factory=ForkingTokensConfig)
+    low_prob_reweight: LowProbReweightConfig = field(default_factory=LowProbReweightConfig)
+    entropy_bonus: EntropyBonusConfig = field(default_factory=EntropyBonusConfig)
     steps: int = 100
-    """Optimizer steps (one on-policy update per batch)."""
+    """Steps, each one rollout batch trained with optim.updates_per_batch optimizer updates."""
     save_every: int = 0
     """Steps between checkpoints (0 = only at the end)."""
     resume: str = ""
@@ -309,6 +338,14 @@ class RLConfig:
         _check_backend(self.backend, self.openrlhf)
         if self.steps < 1 or self.save_every < 0:
             raise ValueError("steps must be >= 1 and save_every >= 0")
+        episodes = self.rollout.prompts_per_step * self.rollout.group_size
+        if episodes % self.optim.updates_per_batch:
+            raise ValueError(
+                f"optim.updates_per_batch={self.optim.updates_per_batch} must divide the batch's "
+                f"{episodes} episodes (rollout.prompts_per_step x rollout.group_size) into equal mini-batches"
+            )
+        if self.entropy_control.method == "kl_cov" and self.loss.dual_clip is not None:
+            raise ValueError("entropy_control.method kl_cov uses no ratio clipping; leave loss.dual_clip unset")
 
 
 @dataclass

@@ -22,6 +22,40 @@ def group_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> 
     return (centered / (std + eps)).view(-1)
 
 
+def token_losses(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None = None,
+    weights: Tensor | None = None,
+    clip: bool = True,
+    penalty: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Each token's loss (B, T), to be averaged over the action tokens, and where the clip held it (B, T) bool.
+
+    loss = -omega * min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) (+ penalty * |log pi - log pi_old|);
+    policy_loss has the arguments. Both backends build their loss from this.
+    """
+    adv = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
+    ratio = torch.exp(logprobs - old_logprobs)
+    pg_loss1 = -adv * ratio
+    pg_loss2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(pg_loss1, pg_loss2) if clip else pg_loss1
+    if dual_clip is not None:
+        if dual_clip <= 1.0 or not clip:
+            raise ValueError(f"dual_clip must be > 1 and needs the clipped surrogate; got {dual_clip}, clip={clip}")
+        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
+    if weights is not None:
+        loss = loss * weights
+    if penalty is not None:
+        loss = loss + penalty * (logprobs - old_logprobs).abs()
+    clipped = (pg_loss2 > pg_loss1).detach() if clip else torch.zeros(loss.shape, dtype=torch.bool, device=loss.device)
+    return loss, clipped
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -33,32 +67,29 @@ def policy_loss(
     dual_clip: float | None = None,
     weights: Tensor | None = None,
     num_tokens: Tensor | float | None = None,
+    clip: bool = True,
+    penalty: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Token-level clipped surrogate, to minimize: -(1/N) sum omega * min(rho A, clip(rho, 1-eps_low, 1+eps_high) A).
 
     logprobs, old_logprobs, action_mask: (B, T); action_mask 1 = sampled by the policy.
-    advantages: (B,) or (B, T). weights: optional (B, T) STARE omega > 0 (None = all ones).
+    advantages: (B,) or (B, T). weights: optional (B, T) omega >= 0 on each token's loss (None = all ones): STARE's
+    and the other advantage methods' weights, 0 where Clip-Cov drops a token.
     dual_clip: c > 1 bounds the loss of negative-advantage tokens at -c * A (None = off).
     num_tokens: N, the action tokens of the whole batch; pass it when this call sees one
     micro-batch of several, so the token-level mean is over the batch (default: this mask's sum).
+    clip: False = the unclipped -rho A (KL-Cov). penalty: optional (B, T) coefficient k of a term
+    k * |log pi - log pi_old| added to each token's loss (KL-Cov: its coef on the selected tokens, 0 elsewhere).
     """
-    adv = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
-    mask = action_mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
-    pg_loss1 = -adv * ratio
-    pg_loss2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(pg_loss1, pg_loss2)
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1; got {dual_clip}")
-        loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
-    if weights is not None:
-        loss = loss * weights
+    loss, clipped = token_losses(
+        logprobs, old_logprobs, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
+        weights=weights, clip=clip, penalty=penalty,
+    )  # fmt: skip
+    mask = action_mask.to(loss.dtype)
     n = mask.sum() if num_tokens is None else num_tokens
     total = (loss * mask).sum() / n
     with torch.no_grad():
-        clipped = (pg_loss2 > pg_loss1).to(mask.dtype)
-        metrics = {"policy/clip_frac": (clipped * mask).sum() / mask.sum().clamp_min(1)}
+        metrics = {"policy/clip_frac": (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp_min(1)}
     return total, metrics
 
 
@@ -75,3 +106,34 @@ def logprob_mismatch(rollout_logprobs: Tensor, trainer_logprobs: Tensor, action_
     diff = (rollout_logprobs.float() - trainer_logprobs.float()).abs()[action]
     mean, worst = (float(diff.mean()), float(diff.max())) if diff.numel() else (0.0, 0.0)
     return {"rollout_logprob_abs_diff": mean, "rollout_logprob_abs_diff_max": worst}
+
+
+def entropy_bonus_loss(entropy: Tensor, action_mask: Tensor, alpha: float, num_tokens: Tensor | float) -> Tensor:
+    """-(alpha / N) * sum of the current policy's entropy over the action tokens, to add to the loss (the adaptive
+    entropy bonus). entropy: (B, T) with grad; N: the action tokens of the whole batch, as policy_loss's."""
+    return -alpha * torch.where(action_mask.bool(), entropy, torch.zeros((), dtype=entropy.dtype)).sum() / num_tokens
+
+
+@torch.no_grad()
+def ratio_stats(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor, *, eps_low: float, eps_high: float
+) -> dict[str, Tensor]:
+    """Sums over the action tokens of how far the current policy is from the sampling one, for per-step metrics.
+
+    `clip_high`: tokens with A > 0 and rho > 1 + eps_high (the clip holds them); `clip_low`: A < 0 and
+    rho < 1 - eps_low; `ratio_dev`: sum |rho - 1| (`ratio_dev_max`: its largest term); `approx_kl`: sum of
+    (rho - 1) - log rho, the nonnegative k3 estimate of KL(pi_old || pi); `tokens`: the action tokens. Divide
+    the sums by `tokens` (summed over micro-batches and updates) for the step's means.
+    """
+    adv = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
+    action = action_mask.bool()
+    log_ratio = (logprobs.float() - old_logprobs.float()).masked_fill(~action, 0.0)
+    ratio = log_ratio.exp()
+    return {
+        "clip_high": (action & (adv > 0) & (ratio > 1.0 + eps_high)).sum().float(),
+        "clip_low": (action & (adv < 0) & (ratio < 1.0 - eps_low)).sum().float(),
+        "ratio_dev": (ratio - 1.0).abs().sum(),
+        "ratio_dev_max": (ratio - 1.0).abs().max() if ratio.numel() else torch.zeros(()),
+        "approx_kl": ((ratio - 1.0) - log_ratio).sum(),
+        "tokens": action.sum().float(),
+    }

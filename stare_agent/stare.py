@@ -116,11 +116,17 @@ class _ActionTokens:
                 f"advantages must have shape (B,) or (B, T) = {tuple(self.shape)}; got {tuple(advantages.shape)}"
             )
 
-    def select(self, top_ratio: float, quadrants: tuple[Quadrant, ...]) -> dict[Quadrant, Tensor]:
-        """{quadrant: (n,) bool} for the requested quadrants."""
+    def select(
+        self, top_ratio: float, quadrants: tuple[Quadrant, ...], surprisal_threshold: float | None = None
+    ) -> dict[Quadrant, Tensor]:
+        """{quadrant: (n,) bool} for the requested quadrants: the top (bottom) ceil(top_ratio * |T+-|) by surprisal,
+        or, with `surprisal_threshold`, the tokens of T+- above it (high) and the rest of T+- (low)."""
+        members = {"+": self.advantages > 0, "-": self.advantages < 0}
+        if surprisal_threshold is not None:
+            above = self.surprisal > surprisal_threshold
+            return {q: members[q[-1]] & (above if q.startswith("high") else ~above) for q in quadrants}
         if not 0.0 < top_ratio <= 1.0:
             raise ValueError(f"top_ratio must be in (0, 1]; got {top_ratio}")
-        members = {"+": self.advantages > 0, "-": self.advantages < 0}
         signs = sorted({q[-1] for q in quadrants})
         # One host sync for both counts: k must be a Python int for kthvalue.
         counts = torch.stack([members[sign].count_nonzero() for sign in signs]).tolist() if signs else []
@@ -167,6 +173,7 @@ def token_weights(
     m: float = 0.9,
     target_entropy: float = 0.3,
     gate: Gate = "batch",
+    prob_threshold: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """STARE weights omega for one batch (DESIGN section 3).
 
@@ -174,6 +181,8 @@ def token_weights(
     advantages: (B,) per trajectory, or (B, T).
     action_mask: (B, T); 1 = sampled by the policy (0 for prompt, tool output, padding).
     entropy: (B, T) exact entropy of pi_old at each position.
+    prob_threshold: None = the quadrants by the batch quantile (top_ratio); tau in (0, 1) = a fixed threshold
+    instead (low_prob_reweight): high = sampled with probability below tau, low = the rest of T+ or T-.
     Returns weights (B, T) float32 -- exactly 1.0 outside the action mask and outside the selected
     quadrants -- and metric tensors under "stare/". A token in two selected quadrants (possible only
     with top_ratio > 0.5) gets the product of their multipliers.
@@ -186,7 +195,8 @@ def token_weights(
         raise ValueError(f"gate must be one of {', '.join(GATES)}; got {gate!r}")
     multipliers = quadrant_multipliers(op, w, m)
     tokens = _ActionTokens(surprisal, advantages, action_mask)
-    sets = tokens.select(top_ratio, tuple(multipliers))
+    threshold = None if prob_threshold is None else -math.log(prob_threshold)
+    sets = tokens.select(top_ratio, tuple(multipliers), threshold)
     h = entropy.reshape(-1)[tokens.index].float()  # (n,)
     h_bar = h.mean()  # NaN when nothing is an action token
 
@@ -233,9 +243,10 @@ class StareConfig:
 
     RENAMED_KEYS: ClassVar[dict[str, str]] = {"schedule": "w_mode"}
     """Config keys of earlier versions: a config that still uses one gets an error naming the new key."""
-
-    enabled: bool = True
-    """False runs plain GRPO(-ds): every weight is 1."""
+    REPLACED_KEYS: ClassVar[dict[str, str]] = {
+        "enabled": "an RL run's entropy_control.method picks the method (stare for STARE, none for GRPO-ds); "
+        "the simulator always runs its GRPO arm beside STARE's",
+    }
     op: Union[Op, dict[Quadrant, float]] = "O1"
     """A preset (O1-O4 single, C1-C4 combined) or an explicit map from quadrant to multiplier."""
     top_ratio: float = 0.1
@@ -315,8 +326,10 @@ class StareController:
       C2 this is conservative, since attenuating the high- set pushes entropy up too.
     """
 
-    def __init__(self, config: StareConfig):
+    def __init__(self, config: StareConfig, prob_threshold: float | None = None):
         self.config = config
+        self.prob_threshold = prob_threshold
+        """None: STARE's quadrants by the batch quantile; tau: by a fixed probability threshold (token_weights)."""
         self.w = config.w
         self.m = config.m
         self.w_star = float("nan")  # critical mode: the smoothed W*; NaN until a defined W* is seen
@@ -333,13 +346,6 @@ class StareController:
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """STARE weights (B, T) and "stare/" metrics; critical mode needs `critical_weight`, this batch's W*."""
         cfg = self.config
-        if not cfg.enabled:  # plain GRPO: weights 1, but the same entropy metrics for comparison
-            mask = action_mask.bool()
-            metrics = {
-                "stare/entropy_mean": _masked_mean(entropy.float(), mask),
-                "stare/surprisal_mean": _masked_mean(surprisal.float(), mask),
-            }
-            return torch.ones(surprisal.shape, dtype=torch.float32, device=surprisal.device), metrics
         if cfg.w_mode == "adaptive":
             # One host sync per step (not per micro-batch): the schedule is plain Python state.
             h_bar = float(_masked_mean(entropy.float(), action_mask.bool()))
@@ -359,6 +365,7 @@ class StareController:
             m=self.m,
             target_entropy=cfg.target_entropy,
             gate=cfg.gate,
+            prob_threshold=self.prob_threshold,
         )
         if cfg.w_mode == "critical":
             metrics["stare/w_star_smoothed"] = torch.tensor(self.w_star)

@@ -1,24 +1,38 @@
-"""One step of entropy control over the whole rollout batch, called by both backends: STARE's weights, the
-first-order diagnostics and the step's metrics, one schema.
+"""One step of entropy control over the whole rollout batch, called by both backends: the method's token weights,
+the first-order diagnostics and the step's metrics, one schema (stare_agent/entropy_control.py has the methods).
 
 A backend hands the step's batch over as one MicroBatch (the local backend) or as the micro-batches its framework
-made, each right-padded to its own width (OpenRLHF's experience maker). The paper's token selection (top P of the
-positive- or negative-advantage tokens by surprisal) and its gate are defined over the whole batch, so the parts
-are padded to one width, the controller runs once, and each part gets back its own slice of the weights. Scaling
-a token's advantage by its weight is exact for a clipped loss (it is positively homogeneous in the advantage).
-Metrics: the controller's stare/*, stare/w and stare/m, theory/* of theory.batch_diagnostics, and the regime as
-theory/regime_<name> (1.0 for the step's regime, 0.0 for the others), numbers a TensorBoard log can hold.
+made, each right-padded to its own width (OpenRLHF's experience maker). Every method's selection (STARE's top P of
+the positive- or negative-advantage tokens by surprisal and its gate, the fixed-threshold and forking-token sets,
+Clip-Cov's and KL-Cov's covariance sets) is defined over the whole batch, so the parts are padded to one width, the
+method runs once, and each part gets back its own slice. Scaling a token's advantage by its weight is exact for a
+clipped loss (it is positively homogeneous in the advantage).
+
+Metrics: the STARE controller's stare/* (stare/entropy_mean and stare/surprisal_mean for every method), the
+method's control/* (control/selected_share: the share of action tokens it acts on; control/weight_mean: the mean
+multiplier of the surrogate; control/coef: its coefficient where it has one), theory/* of
+theory.batch_diagnostics, and the regime as theory/regime_<name> (1.0 for the step's regime, 0.0 for the others).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from stare_agent.stare import StareController, select_quadrants
+from stare_agent.entropy_control import (
+    UPDATE_METHODS,
+    EntropyControl,
+    clip_cov_generator,
+    clip_cov_select,
+    forking_weights,
+    kl_cov_select,
+)
+from stare_agent.stare import _masked_mean, select_quadrants
 from stare_agent.theory import REGIMES, batch_diagnostics
 
 
@@ -56,15 +70,28 @@ def regime_of(row: dict) -> str | None:
     return None if value is None else str(value)
 
 
-def stare_step(controller: StareController, parts: Sequence[MicroBatch]) -> tuple[list[Tensor], dict[str, float]]:
-    """The STARE weights of every micro-batch (each the shape of its action mask) and the step's metrics.
+def _split(whole: Tensor, parts: Sequence[Any]) -> list[Tensor]:
+    """Each part's rows and width of a (sum of rows, width) tensor."""
+    out, row = [], 0
+    for part in parts:
+        b, t = part.action_mask.shape
+        out.append(whole[row : row + b, :t])
+        row += b
+    return out
 
-    Computes the first-order diagnostics of theory.batch_diagnostics on the whole batch (`theory/regime` as
-    its name), then calls the controller exactly once with the batch's W* (its adaptive or critical W/M and
-    its gate see the whole batch).
+
+def control_step(control: EntropyControl, parts: Sequence[MicroBatch]) -> tuple[list[Tensor], dict[str, float]]:
+    """The advantage weights of every micro-batch (each the shape of its action mask) and the step's metrics.
+
+    Runs the method once over the whole batch: STARE's controller (stare; low_prob_reweight with its fixed
+    threshold), the forking-token selection, or the entropy bonus's coefficient; every other method's weights
+    are 1 (clip_cov and kl_cov act at each update: update_selection). Computes the first-order diagnostics of
+    theory.batch_diagnostics on the whole batch, with the high+ set the method amplifies (STARE's top-P set
+    for methods without one), and hands the controller the batch's W* (its critical W/M and its gate see the
+    whole batch).
     """
     if not parts:
-        raise ValueError("stare_step needs at least one micro-batch")
+        raise ValueError("control_step needs at least one micro-batch")
     width = max(p.action_mask.shape[1] for p in parts)
     mask = _pad([p.action_mask.bool() for p in parts], width, False)
     log_probs = _pad([p.action_log_probs.float() for p in parts], width, 0.0)
@@ -72,21 +99,87 @@ def stare_step(controller: StareController, parts: Sequence[MicroBatch]) -> tupl
     entropy = _pad([p.entropy.float() for p in parts], width, 0.0)
     s2 = _pad([p.s2.float() for p in parts], width, 0.0)
     surprisal = torch.where(mask, -log_probs, torch.zeros_like(log_probs))
+    method, stare = control.method, control.stare
 
-    high_pos = select_quadrants(surprisal, advantages, mask, controller.config.top_ratio, ("high+",))["high+"]
+    if method == "low_prob_reweight":
+        high_pos = mask & (advantages > 0) & (surprisal > -math.log(stare.prob_threshold))
+    else:
+        high_pos = select_quadrants(surprisal, advantages, mask, stare.config.top_ratio, ("high+",))["high+"]
     theory = batch_diagnostics(surprisal, advantages, mask, entropy, s2, high_pos)
-    weights, stare_metrics = controller(
-        surprisal, advantages, mask, entropy, critical_weight=theory["theory/critical_weight"]
-    )
+    n_action = mask.sum().clamp_min(1)
+    metrics: dict[str, float] = {
+        "stare/entropy_mean": float(_masked_mean(entropy, mask)),
+        "stare/surprisal_mean": float(_masked_mean(surprisal, mask)),
+    }
+    if method in ("stare", "low_prob_reweight"):
+        weights, stare_metrics = stare(
+            surprisal, advantages, mask, entropy, critical_weight=theory["theory/critical_weight"]
+        )
+        metrics.update({k: float(v) for k, v in stare_metrics.items()})
+        metrics["stare/w"], metrics["stare/m"] = stare.w, stare.m
+        metrics["control/selected_share"] = float((mask & (weights != 1.0)).sum() / n_action)
+    elif method == "forking_tokens":
+        cfg = control.settings.forking_tokens
+        weights = forking_weights(entropy, mask, top_ratio=cfg.top_ratio, normalize=cfg.normalize)
+        metrics["control/selected_share"] = float((mask & (weights > 0)).sum() / n_action)
+    else:
+        weights = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
+        if method == "entropy_bonus":
+            measure = control.settings.entropy_bonus.measure
+            alpha = control.bonus.step(
+                metrics["stare/entropy_mean" if measure == "entropy" else "stare/surprisal_mean"]
+            )
+            metrics["control/coef"] = alpha
+            metrics["control/selected_share"] = float(alpha > 0)
+        elif method == "kl_cov":
+            metrics["control/coef"] = control.settings.kl_cov.coef
+    if method not in UPDATE_METHODS:  # Clip-Cov's and KL-Cov's come from their updates
+        metrics["control/weight_mean"] = float(_masked_mean(weights, mask))
+    control.step += 1
 
-    metrics = {k: float(v) for k, v in stare_metrics.items()}
     metrics.update({k: float(v) for k, v in theory.items() if k != "theory/regime"})
-    metrics["stare/w"], metrics["stare/m"] = controller.w, controller.m
     regime = REGIMES[int(theory["theory/regime"])]
+    metrics.update({f"theory/regime_{name}": float(name == regime) for name in REGIMES})
+    return _split(weights, parts), metrics
 
-    out, row = [], 0
-    for part in parts:
-        b, t = part.action_mask.shape
-        out.append(weights[row : row + b, :t])
-        row += b
-    return out, {**metrics, **{f"theory/regime_{name}": float(name == regime) for name in REGIMES}}
+
+@dataclass(frozen=True)
+class UpdatePart:
+    """One micro-batch of one update, for the methods that select from the current policy (Clip-Cov, KL-Cov).
+
+    logprobs: (b, t) of the current policy (before this update's gradient step); old_logprobs: of the sampling
+    policy; advantages: (b, t) or (b,); action_mask: 1 = sampled by the policy."""
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    action_mask: Tensor
+
+
+def update_selection(control: EntropyControl, parts: Sequence[UpdatePart], update: int) -> list[Tensor] | None:
+    """Clip-Cov's or KL-Cov's selection for one update, over all its micro-batches: per part a (b, t) bool
+    (Clip-Cov: the tokens whose loss is zeroed; KL-Cov: the tokens penalised). None for the other methods.
+
+    `update` numbers the updates of the current rollout batch (0, 1, ...); with the control's step and seed it
+    seeds Clip-Cov's random draw, so a resumed run draws the same tokens.
+    """
+    method, settings = control.method, control.settings
+    if method not in ("clip_cov", "kl_cov"):
+        return None
+    if not parts:
+        raise ValueError("update_selection needs at least one micro-batch")
+    width = max(p.action_mask.shape[1] for p in parts)
+    mask = _pad([p.action_mask.bool() for p in parts], width, False)
+    logprobs = _pad([p.logprobs.detach().float() for p in parts], width, 0.0)
+    old = _pad([p.old_logprobs.float() for p in parts], width, 0.0)
+    advantages = _pad([_per_token(p.advantages, p.action_mask).float() for p in parts], width, 0.0)
+    if method == "clip_cov":
+        cfg = settings.clip_cov
+        selected = clip_cov_select(
+            advantages, logprobs, old, mask, ratio=cfg.ratio, lb=cfg.lb, ub=cfg.ub,
+            eps_low=settings.eps_low, eps_high=settings.eps_high,
+            generator=clip_cov_generator(settings.seed, control.step, update),
+        )  # fmt: skip
+    else:
+        selected = kl_cov_select(advantages, logprobs, mask, ratio=settings.kl_cov.ratio)
+    return _split(selected, parts)

@@ -248,3 +248,55 @@ def regime_codes(lam: Tensor, gam: Tensor, has_high_pos: Tensor | bool) -> Tenso
     code = torch.where(gam > 0, REGIMES.index("needs_w"), REGIMES.index("no_w_helps"))
     code = torch.where(lam < 0, REGIMES.index("rising"), code)
     return torch.where(has, code, REGIMES.index("undefined"))
+
+
+def token_entropy(logits: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None) -> Tensor:
+    """Entropy of softmax(logits / temperature) per position, differentiable, in float32 (the entropy bonus's term).
+
+    logits: (..., V). Returns (...) float32. Chunked like token_logprobs: one (chunk, V) float32 block and two
+    floats per row beside the gradient of the logits; dH/dz_v = -p_v (ln p_v + H) / temperature.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    chunk = _check_chunk(chunk_size, logits.reshape(-1, logits.shape[-1]).shape[0], logits.shape[-1])
+    return _TokenEntropy.apply(logits, float(temperature), int(chunk))
+
+
+class _TokenEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        rows = flat.shape[0]
+        entropy = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        block = torch.empty(min(chunk_size, max(rows, 1)), vocab, dtype=torch.float32, device=logits.device)
+        for start in range(0, rows, chunk_size):
+            stop = min(start + chunk_size, rows)
+            z = block[: stop - start].copy_(flat[start:stop]).div_(temperature)
+            lse[start:stop] = torch.logsumexp(z, dim=-1)
+            logp = z.sub_(lse[start:stop, None]).clamp_(min=torch.finfo(z.dtype).min)
+            entropy[start:stop] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits, lse, entropy)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return entropy.view(logits.shape[:-1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None]:
+        logits, lse, entropy = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        grad = grad_out.reshape(-1, 1).float() / temperature
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_flat = grad_logits.view(-1, vocab)
+        rows = flat.shape[0]
+        block = torch.empty(min(chunk_size, max(rows, 1)), vocab, dtype=torch.float32, device=logits.device)
+        for start in range(0, rows, chunk_size):
+            stop = min(start + chunk_size, rows)
+            logp = block[: stop - start].copy_(flat[start:stop]).div_(temperature).sub_(lse[start:stop, None])
+            logp.clamp_(min=torch.finfo(logp.dtype).min)
+            # -g * p * (ln p + H)
+            grad_flat[start:stop] = logp.exp() * (logp + entropy[start:stop, None]) * -grad[start:stop]
+        return grad_logits, None, None

@@ -168,7 +168,8 @@ def test_a_wrong_sandbox_token_is_one_line_before_any_work(tmp_path):
 def test_help_of_a_config_command_lists_its_keys():
     out = run_cli("rl", "--help")
     assert out.returncode == 0
-    assert "stare.: enabled, op, top_ratio, w," in out.stdout and "stare-agent config rl" in out.stdout
+    assert "stare.: op, top_ratio, w," in out.stdout and "entropy_control.: method" in out.stdout
+    assert "stare-agent config rl" in out.stdout
     assert "top level: steps, save_every, resume" in out.stdout
     assert run_cli("sandbox", "--help").stdout.startswith("usage: stare-agent sandbox")
     serve = run_cli("sandbox", "serve", "--help").stdout

@@ -34,12 +34,10 @@ def test_file_then_overrides_take_precedence(tmp_path):
 
 
 def test_override_types_lists_maps_and_bools():
-    config = load_config(
-        SimulateConfig, None, ["open_loop_w=[1.5, 3]", "stare.op={high+: 2, low-: 1.5}", "stare.enabled=false"]
-    )
+    config = load_config(SimulateConfig, None, ["open_loop_w=[1.5, 3]", "stare.op={high+: 2, low-: 1.5}"])
     assert config.open_loop_w == [1.5, 3.0]
     assert config.stare.op == {"high+": 2.0, "low-": 1.5}
-    assert config.stare.enabled is False
+    assert load_config(RLConfig, None, ["rollout.dynamic_sampling=false"]).rollout.dynamic_sampling is False
 
 
 def test_unknown_key_in_file_names_file_line_and_suggestion(tmp_path):

@@ -25,14 +25,15 @@ def test_a_tiny_sweep_runs_resumes_and_reports(tmp_path, capsys):
         "run.name=sweep",
         *TINY,
         "seeds=[0, 1]",
-        "variants={grpo-ds: {enabled: false}, critical: {w_mode: critical, w_max: 8.0, w: 1.5}}",
+        "variants={grpo-ds: {entropy_control: {method: none}}, "
+        "critical: {stare: {w_mode: critical, w_max: 8.0, w: 1.5}}}",
     ]
     run_dir = experiment.run(load_config(ExperimentConfig, None, overrides))
     names = {p.name for p in run_dir.iterdir()}
     expected = {f"{kind}-{v}-s{s}" for kind in ("rl", "eval") for v in ("grpo-ds", "critical") for s in (0, 1)}
     assert expected | {"data", "model", "sft", "eval-sft", "report.md", "report.json", "entropy.png"} <= names
     assert "w_mode: critical" in (run_dir / "rl-critical-s1" / "config.yaml").read_text()
-    assert "enabled: false" in (run_dir / "rl-grpo-ds-s0" / "config.yaml").read_text()
+    assert load_config(RLConfig, run_dir / "rl-grpo-ds-s0" / "config.yaml").entropy_control.method == "none"
 
     report = json.loads((run_dir / "report.json").read_text())
     for variant in ("grpo-ds", "critical"):
@@ -73,8 +74,24 @@ def test_bootstrap_interval_covers_the_mean_and_shrinks_with_more_problems():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("variants={a: {wx: 1}}", r"variants.a: unknown key\(s\) \['wx'\]"),
-        ("variants={a: {w: 0.5}}", "variants.a: w must be >= 1; got 0.5"),
+        ("variants={a: {wx: {w: 2}}}", r"variants\.a\.wx: unknown section; a variant may change entropy_control, "),
+        ("variants={a: {stare: {wx: 1}}}", r"variants\.a\.stare\.wx: unknown key; allowed: op, top_ratio"),
+        ("variants={a: {stare: {schedule: adaptive}}}", r"variants\.a\.stare\.schedule was renamed to 'w_mode'"),
+        ("variants={a: {stare: {w: 0.5}}}", r"variants\.a\.stare: w must be >= 1; got 0.5"),
+        ("variants={a: {entropy_control: {method: nope}}}", r"variants\.a\.entropy_control: method must be one of"),
+        ("variants={a: {optim: {updates_per_batch: 3}}}", r"variants\.a: optim\.updates_per_batch=3 must divide"),
+        ("variants={a: {stare: 1}}", r"variants\.a\.stare must be a mapping"),
+        (
+            "variants={a: {enabled: false}}",
+            r"variants\.a: \{enabled: false\} is the old format.*write \{entropy_control: "
+            r"\{method: none\}\}$",
+        ),
+        ("variants={a: {op: C2}}", r"write \{stare: \{op: C2\}\}$"),
+        (
+            "variants={a: {enabled: true, w: 2.0}}",
+            r"write \{entropy_control: \{method: stare\}, stare: \{w: 2\.0\}\}$",
+        ),
+        ("variants={a: {stare: {enabled: false}}}", r"write \{entropy_control: \{method: none\}\}$"),
         ("variants={a/b: {}}", "variant name 'a/b' must be letters"),
         ("only=[nope]", r"only names unknown variants \['nope'\]"),
         ("seeds=[1, 1]", "seeds must be a non-empty list of distinct integers"),
@@ -88,15 +105,17 @@ def test_bad_experiment_configs_are_named(override, message):
 def test_a_folder_refuses_other_settings_but_takes_new_variants(tmp_path):
     """Finished runs are reused, so a second command on the folder must have made them the same way."""
     folder = [f"run.output_dir={tmp_path}", "run.name=x"]
-    first = load_config(ExperimentConfig, None, [*folder, "variants={a: {enabled: false}}", "seeds=[0]"])
+    first = load_config(
+        ExperimentConfig, None, [*folder, "variants={a: {entropy_control: {method: none}}}", "seeds=[0]"]
+    )
     experiment.save_config(first, tmp_path / "x")
     saved = tmp_path / "x" / "config.yaml"
     other_seeds = load_config(
-        ExperimentConfig, None, [*folder, "variants={b: {w: 2.0}}", "seeds=[5]", "run.threads=2"]
+        ExperimentConfig, None, [*folder, "variants={b: {stare: {w: 2.0}}}", "seeds=[5]", "run.threads=2"]
     )
     merged = experiment.check_same_experiment(other_seeds, saved)
     assert set(merged.variants) == {"a", "b"} and merged.seeds == [0]
-    for change in ("rl.steps=7", "tasks.test_problems=9", "variants={a: {enabled: true}}"):
+    for change in ("rl.steps=7", "tasks.test_problems=9", "variants={a: {entropy_control: {method: stare}}}"):
         other = load_config(ExperimentConfig, None, [*folder, change])
         key = change.split("=")[0].replace("variants", "variants.a")
         with pytest.raises(ConfigError, match=rf"holds an experiment made with other settings \({key} differ"):
@@ -108,7 +127,13 @@ def test_a_results_folder_carries_a_sweep_to_a_new_output_folder(tmp_path, capsy
     """A sweep kept in results_dir outlives its output folder: a fresh folder restores its data, SFT model and
     runs instead of making them again, and a new run starts from the kept SFT weights."""
     results = tmp_path / "kept"
-    common = [*TINY, "run.name=sweep", f"results_dir={results}", "variants={grpo-ds: {enabled: false}}", "seeds=[0]"]
+    common = [
+        *TINY,
+        "run.name=sweep",
+        f"results_dir={results}",
+        "variants={grpo-ds: {entropy_control: {method: none}}}",
+        "seeds=[0]",
+    ]
     first = experiment.run(load_config(ExperimentConfig, None, [f"run.output_dir={tmp_path / 'a'}", *common]))
     kept = {p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file()}
     assert {"config.yaml", "data/test.jsonl", "sft/model/model.safetensors", "eval-sft/results.json"} <= kept
@@ -147,9 +172,24 @@ def test_the_entropy_plot_marks_each_targets_variants_and_none_for_grpo():
         None,
         [
             "rl.stare.target_entropy=0.12",
-            "variants={grpo-ds: {enabled: false}, a: {enabled: true, target_entropy: 0.18}, "
-            "b: {enabled: true, target_entropy: 0.18}, c: {enabled: true}}",
+            "variants={grpo-ds: {entropy_control: {method: none}}, a: {stare: {target_entropy: 0.18}}, "
+            "b: {entropy_control: {method: low_prob_reweight}, stare: {target_entropy: 0.18}}, c: {}, "
+            "d: {entropy_control: {method: entropy_bonus}, entropy_bonus: {target_entropy: 0.25}}, "
+            "e: {entropy_control: {method: clip_cov}}}",
         ],
     )
-    assert report.entropy_targets(config, ["grpo-ds", "a", "b", "c"]) == {0.18: ["a", "b"], 0.12: ["c"]}
-    assert report.entropy_targets(config, ["grpo-ds"]) == {}
+    everything = ["grpo-ds", "a", "b", "c", "d", "e"]
+    assert report.entropy_targets(config, everything) == {0.18: ["a", "b"], 0.12: ["c"], 0.25: ["d"]}
+    assert report.entropy_targets(config, ["grpo-ds", "e"]) == {}
+
+
+def test_a_variant_changes_its_sections_and_keeps_the_rest_of_rl():
+    config = load_config(
+        ExperimentConfig,
+        None,
+        ["rl.stare.w=2.0", "variants={x: {entropy_control: {method: kl_cov}, kl_cov: {coef: 0.5}, stare: {op: C2}}}"],
+    )
+    rl = config.variant_rl("x")
+    assert (rl.entropy_control.method, rl.kl_cov.coef, rl.stare.op, rl.stare.w) == ("kl_cov", 0.5, "C2", 2.0)
+    assert (rl.kl_cov.ratio, rl.rollout, rl.steps) == (config.rl.kl_cov.ratio, config.rl.rollout, config.rl.steps)
+    assert ExperimentConfig().variant_rl("grpo-ds").entropy_control.method == "none"

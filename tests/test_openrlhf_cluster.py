@@ -11,7 +11,8 @@ The prompt set makes a partial last batch under OpenRLHF's own accounting (half 
 model's reach, so half the groups are dropped; a prompt budget of steps x prompts_per_step, which the launcher
 used to pass, runs out before the second batch is full): the run must train exactly `steps` full batches, finish
 within a bounded time (the test fails rather than hangs), write the final Hugging Face model, and every rank
-must gather the same weights at the end.
+must gather the same weights at the end. It trains with KL-Cov in two updates a step, so the update's selection
+is made across both ranks on two nodes.
 
 What stands in for GPUs is the shim of test_openrlhf_e2e.py (tests/openrlhf_cpu_shim); weights go to the engines by
 the shim's store broadcast (`vllm.sync_backend: gloo`: the paper configs' colocated CUDA-IPC sync needs GPUs), and
@@ -89,6 +90,11 @@ def cluster_config(folder: Path, model: Path, sandbox_url: str) -> Path:
     config = yaml.safe_load(path.read_text())
     config["rollout"].update(prompts_per_step=PROMPTS, group_size=GROUP)
     config["loss"]["micro_batch_size"] = 2  # 8 samples a step: 2 micro-batches per rank, in both passes
+    # KL-Cov over two updates a step (one micro-batch per rank each): its selection gathers both ranks' tokens of
+    # an update, on two nodes, at every update; the second update is off-policy.
+    config["entropy_control"] = {"method": "kl_cov"}
+    config["kl_cov"] = {"ratio": 0.1, "coef": 1.0}
+    config.setdefault("optim", {})["updates_per_batch"] = 2
     config["sandbox"] = {"url": sandbox_url}
     config["openrlhf"] = {
         "actor.num_nodes": 1,
@@ -180,3 +186,14 @@ def test_the_gpu_checks_verdict_passes_this_run(cluster_run):
     """The GPU check's OpenRLHF stage judges a run of this shape (ZeRO-3, colocated, prefix caching) this way."""
     failures, lines = gpu_check().check_openrlhf(cluster_run.run_dir, cluster_run.returncode, STEPS)
     assert failures == [], lines
+
+
+def test_kl_cov_ran_at_both_updates_of_every_step_on_both_ranks(cluster_run):
+    logged = {tag: dict(values) for tag, values in scalars(cluster_run.run_dir).items()}
+    shares = logged["train/control/selected_share"]
+    assert sorted(shares) == [1, 2] and all(0 < share <= 0.1 for share in shares.values())
+    # The ratio statistics of every update are logged (the policy barely moves here: lr 1e-5 on bf16 weights; the
+    # local tests check that a second update sees a moved policy).
+    assert sorted(logged["train/approx_kl"]) == [1, 2] and all(kl >= 0 for kl in logged["train/approx_kl"].values())
+    assert sorted(logged["train/clip_frac_high"]) == [1, 2]
+    assert logged["train/control/coef"] == {1: 1.0, 2: 1.0}

@@ -344,7 +344,7 @@ def test_stare_metrics_are_logged_and_the_controller_is_in_the_checkpoint(traine
     w = [value for _, value in logged["train/stare/w"]]
     assert w == pytest.approx([1.1 + ADAPTIVE["alpha"], 1.1 + 2 * ADAPTIVE["alpha"]])
     state = model_states(trained.run_dir, 2)["stare_controller"]
-    assert state["step"] == 2 and state["w"] == pytest.approx(w[-1])
+    assert state["step"] == 2 and state["stare"]["w"] == pytest.approx(w[-1])
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
+from stare_agent.entropy_control import ControlSettings, EntropyControl
 from stare_agent.loss import policy_loss
 from stare_agent.stare import StareConfig, StareController
 from stare_agent.theory import REGIMES
@@ -236,12 +237,8 @@ REWARDS = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # two prompts' groups of 4
 STARE_ON = StareConfig(op="C2", top_ratio=0.2, w=1.5, m=0.6, target_entropy=100.0, gate="batch")
 
 
-class CountingController(StareController):
-    calls = 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return super().__call__(*args, **kwargs)
+def control(stare: StareConfig = STARE_ON, method: str = "stare") -> EntropyControl:
+    return EntropyControl(ControlSettings(method=method, stare=stare))
 
 
 def make_experiences(hooks, model, maker_cls, monkeypatch, temperature=0.8, logprobs=False, **maker_kwargs):
@@ -269,14 +266,13 @@ def test_stare_scales_openrlhfs_advantages_by_the_weights_of_the_whole_step(hook
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
     plain, _, plain_group = make_experiences(hooks, tiny_model, RemoteExperienceMaker, monkeypatch)
-    controller = CountingController(STARE_ON)
-    ours, maker, group = make_experiences(
-        hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, controller=controller
-    )
-    assert [name for name, _ in group.calls] == ["forward_with_stats"]
+    ctl = control()
+    ours, maker, group = make_experiences(hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, control=ctl)
+    assert [name for name, _ in group.calls] == ["forward_with_stats", "set_update_control"]
+    assert group.calls[1][1]["step"] == 1 and group.calls[1][1]["settings"].method == "stare"
     assert [name for name, _ in plain_group.calls] == ["forward"]
     assert len(ours) == 3 and len({e.action_mask.shape[1] for e in ours}) > 1
-    assert controller.calls == 1
+    assert ctl.step == 1 and ctl.stare.step == 1  # one call over the whole step
 
     mask = padded([e.action_mask for e in plain]).bool()
     advantages = padded([e.advantages for e in plain])
@@ -300,11 +296,41 @@ def test_stare_scales_openrlhfs_advantages_by_the_weights_of_the_whole_step(hook
     assert maker.pop_metrics() == {}
 
 
+@pytest.mark.parametrize("method", ["forking_tokens", "low_prob_reweight"])
+def test_the_other_advantage_methods_scale_openrlhfs_advantages_over_the_whole_step(
+    hooks, local_ray, tiny_model, monkeypatch, method
+):
+    """The same hook point as STARE: OpenRLHF's advantages times step.control_step's weights of the whole step,
+    computed here on the concatenated batch (entropy directly from the model)."""
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    from stare_agent.step import MicroBatch, control_step
+
+    plain, _, _ = make_experiences(hooks, tiny_model, RemoteExperienceMaker, monkeypatch)
+    ours, maker, _ = make_experiences(
+        hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, control=control(method=method)
+    )
+    mask = padded([e.action_mask for e in plain]).bool()
+    entropies = [direct_stats(tiny_model, e.sequences, e.attention_mask, e.action_mask, 0.8)[1] for e in plain]
+    whole = MicroBatch(
+        padded([e.action_log_probs for e in plain]), padded([e.advantages for e in plain]), mask,
+        padded(entropies), torch.zeros(mask.shape),
+    )  # fmt: skip
+    (expected,), _ = control_step(control(method=method), [whole])
+    assert (expected[mask] != 1).any() and (expected[~mask] == (0 if method == "forking_tokens" else 1)).all()
+    row = 0
+    for mine, theirs in zip(ours, plain, strict=True):
+        b, t = theirs.action_mask.shape
+        torch.testing.assert_close(mine.advantages, theirs.advantages * expected[row : row + b, :t])
+        row += b
+    assert 0 < maker.pop_metrics()["control/selected_share"] <= 1
+
+
 def test_each_step_logs_the_engines_log_probs_against_the_trainers(hooks, local_ray, tiny_model, monkeypatch):
     """Over every action token of the step's micro-batches (widths differ), nothing outside the action mask."""
-    controller = CountingController(STARE_ON)
+    ctl = control()
     ours, maker, _ = make_experiences(
-        hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, logprobs=True, controller=controller
+        hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, logprobs=True, control=ctl
     )
     diffs = torch.cat([(e.rollout_log_probs - e.action_log_probs).abs()[e.action_mask.bool()] for e in ours])
     everywhere = torch.cat([(e.rollout_log_probs - e.action_log_probs).abs().flatten() for e in ours])
@@ -315,7 +341,7 @@ def test_each_step_logs_the_engines_log_probs_against_the_trainers(hooks, local_
     assert "stare/gate" in metrics  # alongside the step's STARE metrics
 
     # an executor that returns no log-probs: no such metric (OpenRLHF's own executors, asked for none)
-    _, maker, _ = make_experiences(hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, controller=controller)
+    _, maker, _ = make_experiences(hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, control=ctl)
     assert "rollout_logprob_abs_diff" not in maker.pop_metrics()
 
 
@@ -337,17 +363,15 @@ def test_with_stare_off_the_experiences_are_openrlhfs(hooks, local_ray, tiny_mod
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
     plain, _, _ = make_experiences(hooks, tiny_model, RemoteExperienceMaker, monkeypatch)
-    controller = CountingController(StareConfig(enabled=False))
-    ours, maker, _ = make_experiences(
-        hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, controller=controller
-    )
-    assert controller.calls == 1
+    ctl = control(method="none")
+    ours, maker, _ = make_experiences(hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, control=ctl)
+    assert ctl.step == 1 and ctl.stare.step == 0
     assert all(same_experience(a, b) for a, b in zip(ours, plain, strict=True))
     metrics = maker.pop_metrics()
     assert 0 < metrics["stare/entropy_mean"] < math.log(tiny_model.config.vocab_size)
     assert "theory/lambda" in metrics
     before = [e.advantages for e in ours]
-    maker.apply_stare(ours, [(torch.zeros(e.action_mask.shape), torch.zeros(e.action_mask.shape)) for e in ours])
+    maker.apply_control(ours, [(torch.zeros(e.action_mask.shape), torch.zeros(e.action_mask.shape)) for e in ours])
     assert all(e.advantages is b for e, b in zip(ours, before, strict=True))  # the same tensors, not a copy
 
 
@@ -360,7 +384,7 @@ def test_a_step_without_our_actor_fails_saying_to_install_the_hooks(hooks, monke
     monkeypatch.setattr(RemoteExperienceMaker, "make_experience_batch", lambda self, samples: [object()])
     maker = hooks.StareExperienceMaker(
         None, None, None, None, FixedKLController(0.0), NS(args=openrlhf_args()), None,
-        controller=StareController(STARE_ON),
+        control=control(),
     )  # fmt: skip
     with pytest.raises(RuntimeError, match="hooks.install"):
         maker.make_experience_batch([])
@@ -372,7 +396,7 @@ def test_the_maker_refuses_packed_samples(hooks):
     with pytest.raises(NotImplementedError, match="--ds.packing_samples"):
         hooks.StareExperienceMaker(
             None, None, None, None, FixedKLController(0.0), NS(args=openrlhf_args(packing_samples=True)), None,
-            controller=StareController(STARE_ON),
+            control=control(),
         )  # fmt: skip
 
 
@@ -423,15 +447,170 @@ def test_weighted_advantages_through_openrlhfs_policy_loss_equal_our_weighted_lo
 # --- the trainer ---------------------------------------------------------------------------------------------------
 
 
-def make_trainer(hooks, group, controller, args=None, tokenizer=None):
+def make_trainer(hooks, group, ctl, args=None, tokenizer=None):
     """StarePPOTrainer over OpenRLHF's real BasePPOTrainer.__init__; PPOTrainer.__init__ itself (prompt datasets,
     tokenizer by name, the vLLM sample generator) is skipped: object.__new__ and the base initialiser."""
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer
 
     trainer = object.__new__(hooks.StarePPOTrainer)
     BasePPOTrainer.__init__(trainer, NS(args=args or openrlhf_args()), group, None, None, None, None, tokenizer)
-    trainer.use_stare(controller)
+    trainer.use_control(ctl)
     return trainer
+
+
+# --- the update: Clip-Cov, KL-Cov and the entropy bonus on the policy ranks (updates.py) ---------------------------
+
+
+def method_tensors(seed=0, rows=4, width=9):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    for r in range(rows):
+        mask[r, 1 : width - r] = True
+    mask[:, 4] = False  # a tool output
+    old = -torch.rand(rows, width, generator=g) * 3
+    logprobs = (old + torch.randn(rows, width, generator=g) * 0.3).requires_grad_()
+    adv = torch.randn(rows, generator=g)[:, None].expand(rows, width) * mask
+    return logprobs, old, adv, mask
+
+
+@pytest.mark.parametrize("method", ["clip_cov", "kl_cov"])
+def test_the_update_methods_loss_through_openrlhf_equals_the_local_loss(hooks, method):
+    """MethodLoss in OpenRLHF's actor_loss_fn place, with OpenRLHF's global token normaliser (a micro-batch of a
+    larger update), against the local backend's policy_loss with the same selection: value and gradient."""
+    from openrlhf.models import PolicyLoss
+
+    from stare_agent.entropy_control import ClipCovConfig, KLCovConfig, selection_loss_terms
+    from stare_agent.loss import policy_loss
+
+    logprobs, old, adv, mask = method_tensors()
+    selected = torch.zeros_like(mask)
+    selected[0, 2], selected[2, 6], selected[3, 1] = True, True, True
+    settings = ControlSettings(method=method, clip_cov=ClipCovConfig(), kl_cov=KLCovConfig(coef=2.5))
+    state = hooks.updates.UpdateControl(EntropyControl(settings), current=NS(info={}, stare_selected=selected))
+    loss_fn = hooks.updates.MethodLoss(NS(update_control=state), PolicyLoss(0.2, 0.28))
+    total = float(mask.sum()) + 17  # the update's action tokens on every rank
+    got, clip_ratio, *_ = loss_fn(logprobs, old, adv, action_mask=mask.float(), dp_size=1, batch_num_tokens=total)
+    terms = selection_loss_terms(method, selected, 2.5)
+    weights = terms.pop("weights", None)
+    ours, metrics = policy_loss(logprobs, old, adv, mask, eps_low=0.2, eps_high=0.28, weights=weights,
+                                num_tokens=total, **terms)  # fmt: skip
+    assert got.item() == pytest.approx(ours.item(), rel=1e-6)
+    (g1,) = torch.autograd.grad(got, logprobs)
+    (g2,) = torch.autograd.grad(ours, logprobs)
+    torch.testing.assert_close(g1, g2)
+    assert float(clip_ratio) == pytest.approx(float(metrics["policy/clip_frac"]))
+    info = state.current.info
+    assert float(info["control/selected_share"]) == pytest.approx(3 / float(mask.sum()))
+    assert float(info["approx_kl"]) > 0 and 0 <= float(info["clip_frac_high"]) <= 1
+
+
+def test_other_methods_keep_openrlhfs_loss_and_add_the_ratio_statistics(hooks):
+    from openrlhf.models import PolicyLoss
+
+    from stare_agent.loss import ratio_stats
+
+    logprobs, old, adv, mask = method_tensors(seed=1)
+    state = hooks.updates.UpdateControl(control(), current=NS(info={}))
+    original = PolicyLoss(0.2, 0.28)
+    got = hooks.updates.MethodLoss(NS(update_control=state), original)(logprobs, old, adv, action_mask=mask.float())
+    theirs = original(logprobs, old, adv, action_mask=mask.float())
+    assert got[0].item() == theirs[0].item() and float(got[1]) == float(theirs[1])
+    stats = ratio_stats(logprobs.detach(), old, adv, mask, eps_low=0.2, eps_high=0.28)
+    info = state.current.info
+    assert float(info["clip_frac_high"]) == pytest.approx(float(stats["clip_high"] / stats["tokens"]))
+    assert float(info["clip_frac_low"]) == pytest.approx(float(stats["clip_low"] / stats["tokens"]))
+    assert float(info["ratio_abs_dev"]) == pytest.approx(float(stats["ratio_dev"] / stats["tokens"]))
+    assert float(info["clip_frac_high"]) + float(info["clip_frac_low"]) > 0
+    assert "control/selected_share" not in info
+
+
+def test_each_update_selects_over_its_whole_window_from_the_current_policy(hooks, tiny_model):
+    """Four micro-batches, two per optimizer update (OpenRLHF's windows): the first update selects from the
+    experience's log-probs (the sampling policy), the second from a fresh forward of the rank's model; each
+    window's selection is made over both its micro-batches (not each alone)."""
+    from stare_agent.entropy_control import KLCovConfig
+    from stare_agent.step import UpdatePart, update_selection
+
+    rank = actor_rank(hooks, tiny_model, 0.8)
+    settings = ControlSettings(method="kl_cov", kl_cov=KLCovConfig(ratio=0.15))
+    rank.set_update_control(settings, step=3, alpha=0.0)
+    experiences = []
+    for seed in range(4):
+        sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size, rows=2, seed=seed)
+        with torch.no_grad():
+            current = rank.actor(sequences, action_mask, attention_mask=attention)
+        noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(seed)) * action_mask
+        advantages = torch.tensor([[1.0], [-0.5]]) * action_mask
+        experiences.append(
+            NS(sequences=sequences, attention_mask=attention, action_mask=action_mask, info={}, current=current,
+               action_log_probs=current + noise, advantages=advantages)
+        )  # fmt: skip
+    hooks.updates._active["rank"] = rank
+    try:
+        out = [
+            e for e, _ in hooks.updates.selecting_windows(iter(experiences), rank.strategy, 2, lambda e: e.action_mask)
+        ]
+    finally:
+        hooks.updates.finish_fit()
+    assert out == experiences and rank.update_control.update == 2
+
+    def selection(window, update, source):
+        parts = [UpdatePart(getattr(e, source), e.action_log_probs, e.advantages, e.action_mask) for e in window]
+        return update_selection(EntropyControl(settings), parts, update)
+
+    first, second = experiences[:2], experiences[2:]
+    for exp, sel in zip(first, selection(first, 0, "action_log_probs"), strict=True):
+        assert torch.equal(exp.stare_selected, sel)
+    for exp, sel in zip(second, selection(second, 1, "current"), strict=True):
+        assert torch.equal(exp.stare_selected, sel)
+    stale = torch.cat([s.flatten() for s in selection(second, 1, "action_log_probs")])
+    assert not torch.equal(stale, torch.cat([e.stare_selected.flatten() for e in second]))  # the policy moved
+    alone = update_selection(EntropyControl(settings), [UpdatePart(second[0].current, second[0].action_log_probs,
+                             second[0].advantages, second[0].action_mask)], 1)[0]  # fmt: skip
+    assert not torch.equal(alone, second[0].stare_selected)  # the window, not the micro-batch
+
+
+def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks):
+    from openrlhf.models import PolicyLoss
+
+    from stare_agent.entropy_control import EntropyBonusConfig
+
+    seen = []
+    rank = object.__new__(hooks.StarePolicyModelActor)
+    rank.strategy = NS(args=NS(actor=NS(entropy_coef=None)))
+    rank.trainer = NS(actor_loss_fn=PolicyLoss(0.2, 0.28), training_step=lambda exp, *a, **k: seen.append(exp))
+    with pytest.raises(RuntimeError, match="set_update_control"):
+        hooks.updates.prepare_fit(rank)
+    bonus = ControlSettings(method="entropy_bonus", entropy_bonus=EntropyBonusConfig())
+    for settings, alpha, expected in ((bonus, 0.003, 0.003), (bonus, 0.0, None), (ControlSettings(), 0.003, None)):
+        rank.set_update_control(settings, step=5, alpha=alpha)
+        hooks.updates.prepare_fit(rank)
+        assert rank.strategy.args.actor.entropy_coef == expected
+    hooks.updates.finish_fit()
+    assert isinstance(rank.trainer.actor_loss_fn, hooks.updates.MethodLoss)
+    assert not isinstance(rank.trainer.actor_loss_fn.original, hooks.updates.MethodLoss)  # wrapped once
+    rank.trainer.training_step("micro-batch")
+    assert seen == ["micro-batch"] and rank.update_control.current == "micro-batch"
+
+
+def test_openrlhfs_entropy_term_is_the_local_backends(hooks, tiny_model):
+    """The entropy bonus in OpenRLHF is its training step's entropy term with our coefficient: its Actor's entropy at
+    the action positions equals theory.token_entropy of softmax(logits / T), which the local loss averages."""
+    from openrlhf.models import Actor
+
+    from stare_agent.theory import token_entropy
+
+    sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size)
+    actor = Actor(tiny_model, temperature=0.7)
+    actor.packing_samples = False
+    with torch.no_grad():
+        _, output = actor(sequences, action_mask, attention_mask=attention, return_output=True, return_entropy=True)
+        theirs = output.entropy[:, -action_mask.shape[1] :]
+        positions = (attention.cumsum(-1) - 1).clamp_min(0)
+        logits = tiny_model(input_ids=sequences, attention_mask=attention, position_ids=positions).logits
+        ours = token_entropy(logits, temperature=0.7)[:, :-1]
+    mask = action_mask.bool()
+    torch.testing.assert_close(theirs[mask], ours[mask], rtol=1e-4, atol=1e-4)
 
 
 def test_the_trainer_builds_the_controller_from_our_config_and_uses_our_maker(hooks, monkeypatch):
@@ -447,8 +626,8 @@ def test_the_trainer_builds_the_controller_from_our_config_and_uses_our_maker(ho
         monkeypatch.setenv(key, value)
     trainer = hooks.StarePPOTrainer(NS(args=openrlhf_args()), "actors", None, None, None, None, None)
     assert isinstance(trainer.experience_maker, hooks.StareExperienceMaker)
-    assert trainer.experience_maker.controller is trainer.stare_controller
-    assert trainer.stare_controller.config == config.stare
+    assert trainer.experience_maker.control is trainer.control
+    assert trainer.control.stare.config == config.stare and trainer.control.method == "stare"
     assert trainer.experience_maker.actor_model_group == "actors" and trainer.experience_maker.kl_ctl is trainer.kl_ctl
 
 
@@ -460,7 +639,7 @@ def test_train_step_reports_stare_and_theory_metrics_and_ships_the_weighted_adva
     rank = actor_rank(hooks, tiny_model, 0.8)
     rank.trainer = NS(replay_buffer=[])
     group = LocalGroup(rank, ranks=2, fit_status={"policy_loss": 0.5})
-    trainer = make_trainer(hooks, group, StareController(STARE_ON), tokenizer=tiny_tokenizer)
+    trainer = make_trainer(hooks, group, control(), tokenizer=tiny_tokenizer)
     status, step = trainer.train_step(rollout_samples(tiny_model.config.vocab_size, REWARDS), 0)
     assert step == 1 and status["policy_loss"] == 0.5
     assert status["stare/gate"] == 1.0 and status["stare/w"] == 1.5
@@ -527,8 +706,9 @@ def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
     monkeypatch.setattr(actor_module, "torch_dist_barrier_and_cuda_sync", barrier_only)
 
     rank, args = deepspeed_rank(hooks, tmp_path)
-    saved = StareController(StareConfig(w_mode="adaptive"))
-    saved.load_state_dict({"w": 1.37, "m": 0.61, "w_star": 2.5, "last_gate": 1.0, "step": 12})
+    saved = control(StareConfig(w_mode="adaptive"))
+    saved.stare.load_state_dict({"w": 1.37, "m": 0.61, "w_star": 2.5, "last_gate": 1.0, "step": 12})
+    saved.step = 12
     trainer = make_trainer(hooks, LocalGroup(rank), saved, args)
     client_states = {"episode": 0, "global_step": 12, "total_consumed_prompts": 24, "data_loader_state_dict": {}}
     trainer.save_logs_and_checkpoints(12, {"stare/gate": 1.0}, client_states)
@@ -537,7 +717,7 @@ def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
 
     loader, _ = deepspeed_rank(hooks, tmp_path)
     _, loader.checkpoint_states = loader.strategy.load_ckpt(loader.actor.model, str(tmp_path / "_actor"))
-    restored = StareController(StareConfig(w_mode="adaptive"))
+    restored = control(StareConfig(w_mode="adaptive"))
     states = make_trainer(hooks, LocalGroup(loader), restored, args).init_checkpoint_states()
     assert restored.state_dict() == saved.state_dict()
     assert states["global_step"] == 12
@@ -546,9 +726,9 @@ def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
 def test_without_a_checkpoint_the_controller_starts_fresh(hooks, local_ray, tmp_path):
     args = openrlhf_args()
     args.ckpt.path, args.ckpt.load_enable = str(tmp_path), True
-    controller = StareController(StareConfig())
-    states = make_trainer(hooks, LocalGroup(None), controller, args).init_checkpoint_states()
-    assert states["global_step"] == 0 and controller.step == 0 and controller.w == 1.1
+    ctl = control(StareConfig())
+    states = make_trainer(hooks, LocalGroup(None), ctl, args).init_checkpoint_states()
+    assert states["global_step"] == 0 and ctl.step == 0 and ctl.stare.w == 1.1
 
 
 # --- pinned OpenRLHF names and install() ---------------------------------------------------------------------------
@@ -596,6 +776,15 @@ def test_the_private_openrlhf_names_we_rely_on_are_unchanged(hooks):
     ]  # fmt: skip
     assert hooks.ORIGINAL_TRAINER.__ray_actor_class__.__name__ == "PPOTrainer"
     assert actor.__name__ == "PolicyModelActor"
+    # updates.py, on the ranks: ppo_train groups its windows with the module's iter_grad_accum_global_norm and
+    # trains each micro-batch with training_step, which calls actor_loss_fn and subtracts entropy_coef x entropy
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    assert "iter_grad_accum_global_norm" in ActorPPOTrainer.ppo_train.__code__.co_names
+    assert parameters(hooks.updates.ORIGINAL_WINDOWS) == ["data_iter", "strategy", "accumulated_gradient", "mask_fn"]
+    assert parameters(ActorPPOTrainer.training_step)[:2] == ["self", "experience"]
+    assert {"actor_loss_fn", "entropy_coef"} <= set(ActorPPOTrainer.training_step.__code__.co_names)
+    assert parameters(actor.fit) == ["self", "kl_ctl"]
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # runpy: the CLI module was imported before
@@ -739,7 +928,7 @@ def fit_run(
     trainer = object.__new__(hooks.StarePPOTrainer)
     BasePPOTrainer.__init__(trainer, strategy, None, None, None, None, None, None)
     trainer.prompts_dataloader, trainer.eval_dataloader, trainer.generate_kwargs = loader, None, {}
-    trainer.use_stare(StareController(StareConfig()))
+    trainer.use_control(control(StareConfig()))
     trainer.use_full_batches(config)  # before the generator exists: PPOTrainer.__init__ (skipped) would make it
     trainer.samples_generator = generator = hooks.StareSamplesGenerator(
         strategy=strategy, prompts_dataloader=loader, eval_dataloader=None, tokenizer=None,
@@ -772,7 +961,9 @@ def test_fit_trains_exactly_steps_full_batches_whatever_the_filter_rate(hooks, l
         consumed[name] = sum(row["rollout/prompts_consumed"] for row in run.logged)
         assert consumed[name] == 6 + sum(row["rollout/groups_dropped_equal"] for row in run.logged)
     assert consumed["many"] > consumed["few"] and consumed["many"] >= 12  # two passes at least
-    assert hooks.StarePPOTrainer.get_max_steps(NS(run_config=NS(steps=3))) == 3  # the LR schedule's length
+    schedule = hooks.StarePPOTrainer.get_max_steps  # the LR schedule's length, in optimizer updates
+    assert schedule(NS(run_config=NS(steps=3, optim=NS(updates_per_batch=1)))) == 3
+    assert schedule(NS(run_config=NS(steps=3, optim=NS(updates_per_batch=4)))) == 12
 
 
 def test_both_backends_log_the_same_rollout_metrics_for_the_same_episodes(hooks, local_ray, monkeypatch):

@@ -56,7 +56,7 @@ def test_argv_spelling():
         ("openrlhf.train.async_enable=true", "not supported: STARE and the on-policy ratio assume synchronous"),
         ("openrlhf.ds.ring_attn_size=2", "does not gather ring-attention shards"),
         ("openrlhf.ckpt.disable_ds=true", "controller's state is saved in the DeepSpeed checkpoint"),
-        ("openrlhf.actor.entropy_coef=0.0", "an entropy bonus changes the loss"),
+        ("openrlhf.actor.entropy_coef=0.0", "the adaptive one is entropy_control.method=entropy_bonus"),
         ("rollout.dynamic_sampling=false", "a group with a sandbox failure is dropped through OpenRLHF's dynamic"),
         ("resume=/elsewhere", "resumes from its own checkpoints"),
         ("openrlhf.ds.packing_samples=true", "STARE entropy pass reads padded"),
@@ -72,6 +72,18 @@ def test_conflicts_and_unsupported_combinations_are_refused(override, message):
     cfg = config(override)
     with pytest.raises(ConfigError, match=message):
         check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))
+
+
+def test_clip_cov_and_kl_cov_refuse_openrlhfs_importance_sampling_correction():
+    cfg = config("entropy_control.method=kl_cov", "openrlhf.algo.advantage.is_correction_level=token")
+    with pytest.raises(ConfigError, match="kl_cov loss does not apply OpenRLHF's importance-sampling correction"):
+        check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))
+    for method in ("clip_cov", "kl_cov", "entropy_bonus", "forking_tokens", "low_prob_reweight"):
+        cfg = config(f"entropy_control.method={method}", "optim.updates_per_batch=4")
+        flags = {k: v for k, (v, _) in rl_flags(cfg, Path("/runs/x"), "agent.py").items()}
+        check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))  # accepted
+        episodes = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+        assert flags["train.batch_size"] == episodes // 4 and flags["train.max_epochs"] == 1  # 4 optimizer updates
 
 
 def test_allowed_passthrough_is_kept():
@@ -319,37 +331,39 @@ def test_shipped_config_resolves_to_a_command_openrlhfs_parser_accepts(path, cls
         assert ns["train.batch_size"] % (ns["train.micro_batch_size"] * GPUS_PER_NODE) == 0  # DeepSpeed's split
 
 
-STARE_O1 = {"enabled": True, "op": "O1", "top_ratio": 0.1, "w": 1.1, "target_entropy": 0.3}  # W 1.1, P 10%, H_tgt 0.3
+STARE_O1 = {"op": "O1", "top_ratio": 0.1, "w": 1.1, "target_entropy": 0.3}  # W 1.1, P 10%, H_tgt 0.3
 
 
 @pytest.mark.parametrize(
-    ("name", "stare"),
+    ("name", "method", "stare"),
     [
-        ("rl_paper_grpo_ds", {"enabled": False}),
-        ("rl_paper_stare_o1", STARE_O1),
-        ("rl_paper_stare_c2", {**STARE_O1, "op": "C2", "m": 0.9}),
+        ("rl_paper_grpo_ds", "none", {}),
+        ("rl_paper_stare_o1", "stare", STARE_O1),
+        ("rl_paper_stare_c2", "stare", {**STARE_O1, "op": "C2", "m": 0.9}),
     ],
 )
-def test_paper_rl_configs_hold_the_papers_settings(name, stare):
+def test_paper_rl_configs_hold_the_papers_settings(name, method, stare):
     cfg = load_config(RLConfig, PAPER_RL[name], REQUIRED)
     assert cfg.backend == "openrlhf"
     assert (cfg.rollout.prompts_per_step, cfg.rollout.group_size) == (64, 8)
     assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.optim.lr) == (1.0, 1.0, 1e-6)
     assert cfg.agent.max_total_tokens == 8192
     assert (cfg.loss.eps_low, cfg.loss.eps_high, cfg.rollout.dynamic_sampling) == (0.2, 0.28, True)
+    assert cfg.entropy_control.method == method
     for key, value in stare.items():
         assert getattr(cfg.stare, key) == value, f"stare.{key}"
-    if cfg.stare.enabled:
+    if method == "stare":
         assert (cfg.stare.gate, cfg.stare.w_mode) == ("batch", "fixed")
 
 
-def test_paper_rl_configs_differ_only_in_stare_and_run_name():
+def test_paper_rl_configs_differ_only_in_the_method_stare_and_run_name():
     """GRPO-ds, STARE-O1 and STARE-C2 are compared at equal settings: the three files must not drift apart."""
     from stare_agent.config import to_dict
 
     def comparable(cfg: RLConfig) -> dict:
         d = to_dict(cfg)
         d.pop("stare")
+        d.pop("entropy_control")
         d["run"].pop("name")
         return d
 

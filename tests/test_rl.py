@@ -70,9 +70,10 @@ def rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_two_rl_steps_with_stare_on_and_off(tmp_path, tiny_model_dir, prompts, varied_reward, enabled):
-    final = rl.run(config(tmp_path, tiny_model_dir, prompts, "run", "steps=2", f"stare.enabled={enabled}"))
+@pytest.mark.parametrize("method", ["stare", "none"])
+def test_two_rl_steps_with_stare_on_and_off(tmp_path, tiny_model_dir, prompts, varied_reward, method):
+    enabled = method == "stare"
+    final = rl.run(config(tmp_path, tiny_model_dir, prompts, "run", "steps=2", f"entropy_control.method={method}"))
     assert final.name == "step-000002"
     metrics = rows(tmp_path / "run")
     assert [r["step"] for r in metrics] == [1, 2]
@@ -129,13 +130,16 @@ def own_episodes(model, *, temperature=1.0, offset=0.0, groups=2, group_size=4, 
     return out
 
 
-def gradient(trainer, batch):
-    """The flattened gradient accumulate_gradients leaves in the model, and its metrics (grads reset after)."""
+def gradient(trainer, batch, rows=None, update=0):
+    """The flattened gradient one update on `rows` (default: all) leaves in the model, and its loss and clip fraction
+    (grads reset after)."""
     trainer.model.zero_grad(set_to_none=True)
-    metrics = trainer.accumulate_gradients(batch)
+    rows = torch.arange(len(batch.ids)) if rows is None else rows
+    sums = trainer.accumulate_gradients(batch, rows, update)
     flat = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
     trainer.model.zero_grad(set_to_none=True)
-    return flat, metrics
+    clipped = float(sums["clip_high"] + sums["clip_low"]) / float(sums["tokens"])
+    return flat, {"train/loss": float(sums["loss"]), "train/clip_frac": clipped}
 
 
 def test_update_aligns_targets_and_applies_stare(tmp_path, tiny_model_dir, prompts):
@@ -150,7 +154,7 @@ def test_update_aligns_targets_and_applies_stare(tmp_path, tiny_model_dir, promp
     assert metrics["stare/frac_high_pos"] > 0
     assert sum(metrics[f"theory/regime_{name}"] for name in REGIMES) == 1.0  # one-hot, as the openrlhf backend logs
     assert regime_of(metrics) in REGIMES
-    assert metrics["train/ratio_abs_dev_max"] < 1e-5  # on-policy: the update's ratio is 1
+    assert metrics["train/ratio_abs_dev"] < 1e-6 and metrics["train/approx_kl"] < 1e-9  # on-policy: the ratio is 1
 
 
 def test_stare_weights_reach_the_gradient(tmp_path, tiny_model_dir, prompts):
@@ -472,3 +476,82 @@ def test_critical_w_mode_sets_w_from_the_logged_critical_weight(
     assert [r["theory/critical_weight"] for r in metrics] == [3.0, None, 5.0, 2.0]
     assert [r["stare/w_star_smoothed"] for r in metrics] == pytest.approx([3.0, 3.0, 3.75, 2.875], rel=1e-6)
     assert [r["stare/w"] for r in metrics] == pytest.approx([3.4, 1.05, 4.3, 3.25], rel=1e-6)
+
+
+@pytest.mark.parametrize("method", ["clip_cov", "kl_cov", "forking_tokens", "low_prob_reweight", "entropy_bonus"])
+def test_every_method_trains_a_step_with_off_policy_updates(tmp_path, tiny_model_dir, prompts, varied_reward, method):
+    """One step of 12 episodes in 2 updates: the second update is off-policy (ratio != 1), the method's metrics
+    are logged, and the weights move."""
+    overrides = ["steps=1", f"entropy_control.method={method}", "optim.updates_per_batch=2", "clip_cov.ratio=0.1",
+                 "clip_cov.lb=-100", "kl_cov.ratio=0.1", "low_prob_reweight.threshold=0.5",
+                 "entropy_bonus.target_entropy=100", "entropy_bonus.max_coef=0.1",
+                 "entropy_bonus.initial_coef=0.01"]  # fmt: skip
+    final = rl.run(config(tmp_path, tiny_model_dir, prompts, "run", *overrides))
+    (row,) = rows(tmp_path / "run")
+    assert row["train/approx_kl"] > 0 and row["train/ratio_abs_dev"] > 0  # the second update saw a moved policy
+    assert 0 < row["control/selected_share"] <= 1
+    assert row["control/weight_mean"] != 1.0 or method in ("kl_cov", "entropy_bonus")
+    assert ("control/coef" in row) == (method in ("kl_cov", "entropy_bonus"))
+    before, after = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def _loss_by_hand(trainer, batch, method, selected, alpha):
+    """The method's loss at an update, token by token from a fresh forward (the model has not moved): clipped
+    surrogate (Clip-Cov: 0 on its tokens; KL-Cov: unclipped, + coef |log-ratio| on its tokens), minus alpha times
+    the mean entropy of softmax(logits) over the action tokens."""
+    logits = trainer.model(input_ids=batch.ids, attention_mask=batch.attention).logits[:, :-1]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    terms = []
+    for i, t in batch.action_mask.nonzero().tolist():
+        log_ratio = logprobs[i, t, batch.ids[i, t + 1]] - batch.old_logprobs[i, t]
+        ratio, a = torch.exp(log_ratio), float(batch.advantages[i])
+        term = -ratio * a if method == "kl_cov" else -torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
+        if selected is not None and selected[i, t]:
+            term = term * 0 if method == "clip_cov" else term + trainer.config.kl_cov.coef * log_ratio.abs()
+        entropy = -(logprobs[i, t].exp() * logprobs[i, t]).sum()
+        terms.append(term - alpha * entropy)
+    return torch.stack(terms).sum() / len(terms)
+
+
+@pytest.mark.parametrize("method", ["clip_cov", "kl_cov", "entropy_bonus"])
+def test_loss_time_methods_are_their_token_loop_on_the_model(tmp_path, tiny_model_dir, prompts, method):
+    """A second update's gradient (update 1: the selection comes from a no-grad pass of the current policy) equals
+    the token loop's, with the selection recomputed here from the definitions; and differs from plain GRPO's."""
+    from stare_agent.entropy_control import clip_cov_generator, clip_cov_select, kl_cov_select
+
+    trainer = rl.Trainer(
+        config(tmp_path, tiny_model_dir, prompts, "m", "steps=1", f"entropy_control.method={method}",
+               "clip_cov.ratio=0.2", "clip_cov.lb=-100", "clip_cov.ub=100", "kl_cov.ratio=0.2", "kl_cov.coef=3")
+    )  # fmt: skip
+    batch, _ = trainer.prepare(own_episodes(trainer.model))
+    shift = torch.linspace(-0.3, 0.3, batch.old_logprobs.numel()).view_as(batch.old_logprobs)
+    batch = dataclasses.replace(
+        batch, old_logprobs=batch.old_logprobs + shift, entropy_coef=0.5 * (method == "entropy_bonus")
+    )
+    with torch.no_grad():
+        current = rl.sequence_logprobs(trainer.model, batch.ids, batch.attention, 1.0)
+    mask, adv = batch.action_mask, batch.advantages[:, None].expand_as(current)
+    selected = None
+    if method == "clip_cov":
+        draw = clip_cov_generator(0, trainer.control.step, 1)
+        selected = clip_cov_select(adv, current, batch.old_logprobs, mask, ratio=0.2, lb=-100, ub=100, eps_low=0.2,
+                                   eps_high=0.28, generator=draw)  # fmt: skip
+    elif method == "kl_cov":
+        selected = kl_cov_select(adv, current, mask, ratio=0.2)
+    assert selected is None or selected.any()
+    got, _ = gradient(trainer, batch, update=1)
+    trainer.model.zero_grad(set_to_none=True)
+    _loss_by_hand(trainer, batch, method, selected, batch.entropy_coef).backward()
+    expected = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+    trainer.model.zero_grad(set_to_none=True)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-6)
+    _loss_by_hand(trainer, batch, "none", None, 0.0).backward()
+    plain = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+    trainer.model.zero_grad(set_to_none=True)
+    assert (got - plain).norm() > 1e-3 * plain.norm()
+
+
+def test_updates_per_batch_must_split_the_batch_evenly(tmp_path, tiny_model_dir, prompts):
+    with pytest.raises(ConfigError, match="updates_per_batch=5 must divide the batch's 12 episodes"):
+        config(tmp_path, tiny_model_dir, prompts, "u", "optim.updates_per_batch=5")

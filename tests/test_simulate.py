@@ -12,24 +12,26 @@ from stare_agent.lab.simulate import SimulateConfig, sweep, train_toy, window_me
 
 def test_sweep_has_grpo_open_loop_and_gated_runs():
     variants = {v.name: v.stare for v in sweep(SimulateConfig())}
-    assert not variants["grpo"].enabled
+    assert variants["grpo"] is None
     for w in (1.01, 1.05, 1.1, 1.5, 2, 4):
         stare = variants[f"O1 open W={w:g}"]
-        assert (stare.op, stare.gate, stare.w, stare.enabled) == ("O1", "off", w, True)
+        assert (stare.op, stare.gate, stare.w) == ("O1", "off", w)
     for w in (1.05, 1.1, 1.5):
         stare = variants[f"O1 batch gate W={w:g}"]
         assert (stare.op, stare.gate, stare.w, stare.target_entropy) == ("O1", "batch", w, 0.3)
 
 
-def test_same_seed_same_run_and_grpo_ignores_w():
+def test_same_seed_same_run_and_grpo_is_stare_at_w_1():
     toy = dataclasses.replace(SimulateConfig().toy, steps=5, prompts=8, batch_prompts=4, length=8)
 
     def curve(stare, seed):
-        return [(r["entropy"], r["reward"]) for r in train_toy(toy, stare, seed)]
+        return [(r["entropy"], r["reward"], r["w"], r["weight_mean"]) for r in train_toy(toy, stare, seed)]
 
-    grpo = curve(StareConfig(enabled=False), 3)
-    assert grpo == curve(StareConfig(enabled=False, w=4.0), 3)
-    assert grpo != curve(StareConfig(enabled=False), 4)
+    grpo = curve(None, 3)
+    assert grpo == curve(None, 3)
+    assert grpo == curve(StareConfig(w=1.0, gate="off"), 3)  # every weight exactly 1
+    assert all(w == 1.0 and mean == 1.0 for _, _, w, mean in grpo)
+    assert grpo != curve(None, 4)
 
 
 @pytest.mark.slow
@@ -37,7 +39,7 @@ def test_grpo_collapses_and_the_gate_holds_the_target():
     """Default toy, 400 steps: GRPO ends well below H_tgt = 0.3; O1 with the batch gate at W=4 ends near it."""
     config = SimulateConfig()
     window = config.toy.steps // 5
-    grpo = train_toy(config.toy, dataclasses.replace(config.stare, enabled=False), config.run.seed)
+    grpo = train_toy(config.toy, None, config.run.seed)
     gated = train_toy(config.toy, dataclasses.replace(config.stare, w=4.0), config.run.seed)
     assert grpo[0]["entropy"] > 1.0
     assert window_mean(grpo, "entropy", window) < 0.22
@@ -51,7 +53,7 @@ def test_small_steps_follow_the_first_order_theory():
     change over all positions matches its first-order prediction -(lr/N) sum omega A Phi."""
     config = SimulateConfig()
     toy = dataclasses.replace(config.toy, lr=5.0, steps=20)
-    for stare in (StareConfig(enabled=False), StareConfig(w=4.0, gate="off")):
+    for stare in (None, StareConfig(w=4.0, gate="off")):
         rows = train_toy(toy, stare, seed=0)
         actual = sum(r["entropy_all_change"] for r in rows)
         predicted = sum(r["entropy_all_change_first_order"] for r in rows)

@@ -198,14 +198,6 @@ def test_signature_defaults_are_the_config_defaults():
         assert params[name].default == getattr(config, name), name
 
 
-def test_disabled_controller_gives_exact_ones():
-    s, a, mask, h = random_batch(5)
-    weights, metrics = StareController(StareConfig(enabled=False, w=4.0, gate="off"))(s, a, mask, h)
-    assert torch.equal(weights, torch.ones_like(s))
-    assert set(metrics) == {"stare/entropy_mean", "stare/surprisal_mean"}
-    assert float(metrics["stare/entropy_mean"]) == pytest.approx(float(h[mask.bool()].mean()))
-
-
 def test_adaptive_schedule_moves_and_clips():
     config = StareConfig(w_mode="adaptive", alpha=0.2, w=1.1, m=0.9, w_max=1.5, m_min=0.5, target_entropy=0.3)
     controller = StareController(config)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stare_agent.entropy_control import ControlSettings, EntropyControl
 from stare_agent.stare import StareConfig, StareController
-from stare_agent.step import MicroBatch, stare_step
+from stare_agent.step import MicroBatch, control_step
 from stare_agent.theory import REGIMES
 
 
@@ -48,11 +49,15 @@ def split(batch: dict[str, torch.Tensor], bounds: list[tuple[int, int]]) -> list
 CONFIG = StareConfig(op="O1", top_ratio=0.2, w=1.5, target_entropy=5.0, gate="batch")
 
 
+def stare(config: StareConfig) -> EntropyControl:
+    return EntropyControl(ControlSettings(method="stare", stare=config))
+
+
 def test_micro_batches_get_the_weights_of_the_whole_batch():
     batch = rollout_batch()
     parts = split(batch, [(0, 5), (5, 9), (9, 12)])
     assert len({p.action_mask.shape[1] for p in parts}) > 1  # really different widths
-    weights, metrics = stare_step(StareController(CONFIG), parts)
+    weights, metrics = control_step(stare(CONFIG), parts)
 
     surprisal = torch.where(batch["mask"], -batch["log_probs"], torch.zeros(()))
     whole, _ = StareController(CONFIG)(surprisal, batch["advantages"], batch["mask"], batch["entropy"])
@@ -68,10 +73,10 @@ def test_the_selection_is_over_the_whole_step_not_each_micro_batch():
     batch = rollout_batch(rows=8, seed=1)
     batch["advantages"] = batch["advantages"].abs()  # all positive
     batch["log_probs"][:4] -= 10.0  # rows 0-3: far more surprising
-    controller = StareController(CONFIG)
-    weights, _ = stare_step(controller, split(batch, [(0, 4), (4, 8)]))
+    control = stare(CONFIG)
+    weights, _ = control_step(control, split(batch, [(0, 4), (4, 8)]))
     assert (weights[0] > 1).any() and (weights[1] == 1).all()
-    assert controller.step == 1  # one call per optimizer step
+    assert control.stare.step == 1 and control.step == 1  # one call per optimizer step
 
 
 def test_the_gate_reads_the_mean_entropy_of_the_whole_step():
@@ -80,19 +85,20 @@ def test_the_gate_reads_the_mean_entropy_of_the_whole_step():
     batch["entropy"][4:] = 3.0
     batch["s2"] = batch["entropy"] ** 2 + 0.1
     config = StareConfig(op="O1", top_ratio=0.2, w=1.5, target_entropy=1.0, gate="batch")
-    weights, metrics = stare_step(StareController(config), split(batch, [(0, 4), (4, 8)]))
+    weights, metrics = control_step(stare(config), split(batch, [(0, 4), (4, 8)]))
     assert metrics["stare/gate"] == 0.0 and all((w == 1).all() for w in weights)
 
 
 def test_critical_mode_gets_the_whole_step_critical_weight():
-    """stare_step measures W* on the whole step and hands it to the controller, which sets W from it."""
+    """control_step measures W* on the whole step and hands it to the controller, which sets W from it."""
     config = StareConfig(
         op="O1", top_ratio=0.2, w=1.05, target_entropy=5.0, w_mode="critical", w_max=1e6, w_margin=0.0, w_smoothing=0
     )
     seen = []
     for seed in range(12):
-        controller = StareController(config)
-        _, metrics = stare_step(controller, split(rollout_batch(seed=seed), [(0, 6), (6, 12)]))
+        control = stare(config)
+        controller = control.stare
+        _, metrics = control_step(control, split(rollout_batch(seed=seed), [(0, 6), (6, 12)]))
         w_star = metrics["theory/critical_weight"]
         expected = 1.05 if w_star != w_star else w_star  # NaN where undefined: the fixed W
         assert controller.w == metrics["stare/w"] and controller.w == pytest.approx(expected, rel=1e-6)
@@ -106,8 +112,8 @@ def test_one_advantage_per_row_is_every_action_token_s_advantage():
     rows = batch["advantages"].sum(1) / batch["mask"].sum(1)  # each row's advantage
     whole = [MicroBatch(batch["log_probs"], rows, batch["mask"], batch["entropy"], batch["s2"])]
     per_token = [MicroBatch(batch["log_probs"], batch["advantages"], batch["mask"], batch["entropy"], batch["s2"])]
-    (w1,), m1 = stare_step(StareController(CONFIG), whole)
-    (w2,), m2 = stare_step(StareController(CONFIG), per_token)
+    (w1,), m1 = control_step(stare(CONFIG), whole)
+    (w2,), m2 = control_step(stare(CONFIG), per_token)
     torch.testing.assert_close(w1[batch["mask"]], w2[batch["mask"]])
     assert m1.keys() == m2.keys()
     assert [k for k in m1 if m1[k] != pytest.approx(m2[k], rel=1e-5, abs=1e-6, nan_ok=True)] == []
@@ -116,7 +122,7 @@ def test_one_advantage_per_row_is_every_action_token_s_advantage():
 def test_the_regime_of_a_metrics_row_old_and_new():
     from stare_agent.step import regime_of
 
-    _, metrics = stare_step(StareController(CONFIG), split(rollout_batch(), [(0, 12)]))
+    _, metrics = control_step(stare(CONFIG), split(rollout_batch(), [(0, 12)]))
     assert regime_of(metrics) in REGIMES and sum(metrics[f"theory/regime_{n}"] for n in REGIMES) == 1.0
     assert regime_of({"theory/regime": "needs_w"}) == "needs_w"  # a run logged before the one-hot schema
     assert regime_of({"stare/w": 1.1}) is None

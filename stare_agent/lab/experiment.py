@@ -25,10 +25,12 @@ import dataclasses
 import fcntl
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+
+import yaml
 
 from stare_agent.backends.local import evaluate, rl, sft
 from stare_agent.backends.local.common import latest_checkpoint
@@ -42,6 +44,19 @@ from stare_agent.stare import StareConfig
 # --- the command's config -----------------------------------------------------------------------------------------
 
 _VARIANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+VARIANT_SECTIONS = (
+    "entropy_control",
+    "stare",
+    "clip_cov",
+    "kl_cov",
+    "forking_tokens",
+    "low_prob_reweight",
+    "entropy_bonus",
+    "loss",
+    "optim",
+)
+"""The RL config sections a variant may change; data, agent, rollout, steps and the rest are the experiment's."""
 
 
 @dataclass
@@ -59,9 +74,13 @@ class ExperimentConfig(QuickstartConfig):
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """RL seeds (each sets rl.run.seed: the prompts drawn and the sampling)."""
     variants: dict[str, dict[str, Any]] = field(
-        default_factory=lambda: {"grpo-ds": {"enabled": False}, "stare-O1": {"enabled": True, "op": "O1"}}
+        default_factory=lambda: {
+            "grpo-ds": {"entropy_control": {"method": "none"}},
+            "stare-O1": {"entropy_control": {"method": "stare"}, "stare": {"op": "O1"}},
+        }
     )
-    """name -> keys of `rl.stare` that this variant changes (the rest is rl.stare)."""
+    """name -> the variant's changes to `rl`, by section: {section: {key: value}}, each section one of
+    VARIANT_SECTIONS, e.g. `{entropy_control: {method: none}}` (GRPO-ds) or `{stare: {op: C2, w: 2.0}}`."""
     only: list[str] = field(default_factory=list)
     """Variants to run now (empty = all); the report covers every finished run."""
     stage: Literal["all", "prepare", "report"] = "all"
@@ -80,22 +99,85 @@ class ExperimentConfig(QuickstartConfig):
         for name in self.variants:
             if not _VARIANT_NAME.fullmatch(name):
                 raise ValueError(f"variant name {name!r} must be letters, digits, '_', '.' or '-' (it names folders)")
-            self.variant_stare(name)
+            self.variant_rl(name)
         unknown = [name for name in self.only if name not in self.variants]
         if unknown:
             raise ValueError(f"only names unknown variants {unknown}; the variants are {', '.join(self.variants)}")
 
-    def variant_stare(self, name: str) -> StareConfig:
-        """rl.stare with the variant's changes applied (checked like any StareConfig)."""
-        changes = self.variants[name] or {}
-        allowed = {f.name for f in dataclasses.fields(StareConfig)}
-        unknown = sorted(set(changes) - allowed)
-        if unknown:
-            raise ValueError(f"variants.{name}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+    def variant_rl(self, name: str) -> RLConfig:
+        """`rl` with the variant's changes applied (checked like any RLConfig)."""
+        return rl_with_changes(self.rl, self.variants[name], f"variants.{name}")
+
+
+def rl_with_changes(rl: RLConfig, changes: Mapping[str, Any] | None, where: str) -> RLConfig:
+    """`rl` with `changes` ({section: {key: value}}, sections of VARIANT_SECTIONS) applied by dataclasses.replace,
+    so each changed section and the whole RLConfig are checked again; an error names `where.SECTION.KEY`."""
+    changes = dict(changes or {})
+    if _is_old_format(changes):
+        raise ValueError(
+            f"{where}: {_flow(changes)} is the old format (keys of rl.stare); a variant now changes RL config "
+            f"sections: write {_flow(_new_variant(changes))}"
+        )
+    sections = {}
+    for section, keys in changes.items():
+        if section not in VARIANT_SECTIONS:
+            raise ValueError(f"{where}.{section}: unknown section; a variant may change {', '.join(VARIANT_SECTIONS)}")
+        keys = keys or {}
+        if not isinstance(keys, Mapping):
+            raise ValueError(f"{where}.{section} must be a mapping of its keys to values; got {keys!r}")
+        current = getattr(rl, section)
+        allowed = [f.name for f in dataclasses.fields(current)]
+        for key in keys:
+            if key in allowed:
+                continue
+            renamed = getattr(current, "RENAMED_KEYS", {}).get(key)
+            replaced = getattr(current, "REPLACED_KEYS", {}).get(key)
+            if renamed is not None:
+                raise ValueError(f"{where}.{section}.{key} was renamed to {renamed!r}; use that key instead")
+            if replaced is not None:
+                raise ValueError(f"{where}.{section}.{key} is gone: {replaced}")
+            raise ValueError(f"{where}.{section}.{key}: unknown key; allowed: {', '.join(allowed)}")
         try:
-            return dataclasses.replace(self.rl.stare, **changes)
+            sections[section] = dataclasses.replace(current, **keys)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"variants.{name}: {exc}") from None
+            raise ValueError(f"{where}.{section}: {exc}") from None
+    try:
+        return dataclasses.replace(rl, **sections)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _is_old_format(changes: Mapping[str, Any]) -> bool:
+    """Whether `changes` is (partly) in the format before entropy_control: keys of rl.stare (`enabled` among them) at
+    the top level, or `stare.enabled`."""
+    stare_keys = {"enabled", *(f.name for f in dataclasses.fields(StareConfig))}
+    stare = changes.get("stare")
+    return bool(stare_keys & set(changes)) or (isinstance(stare, Mapping) and "enabled" in stare)
+
+
+def _new_variant(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """An old-format variant in the section format: `enabled` becomes entropy_control.method (none or stare), the
+    other keys of rl.stare go to the `stare` section."""
+    out: dict[str, Any] = {}
+    stare: dict[str, Any] = {}
+    for key, value in changes.items():
+        if key in VARIANT_SECTIONS and key != "stare":
+            out[key] = value
+        elif key == "stare" and isinstance(value, Mapping):
+            stare.update(value)
+        else:
+            stare[key] = value
+    if "enabled" in stare:
+        method = "stare" if stare.pop("enabled") else "none"
+        out["entropy_control"] = {**(out.get("entropy_control") or {}), "method": method}
+    if stare:
+        out["stare"] = stare
+    return out
+
+
+def _flow(value: Any) -> str:
+    """`value` as one line of YAML flow style, as a config file or an override would write it."""
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10_000).strip()
 
 
 # --- the stages ---------------------------------------------------------------------------------------------------
@@ -190,13 +272,13 @@ def _run_variant(
     final = _final_checkpoint(run_dir / f"rl-{name}", config.rl.steps)
     if final is None:
         print(f"experiment: RL {name}, {config.rl.steps} steps")
+        variant_rl = config.variant_rl(variant)
         final = rl.run(
             replace(
-                config.rl,
+                variant_rl,
                 run=_stage_run(run_dir, f"rl-{name}", seed, config.run.threads),
-                model=replace(config.rl.model, path=str(files["sft_model"])),
-                data=replace(config.rl.data, train_file=str(files["rl"])),
-                stare=config.variant_stare(variant),
+                model=replace(variant_rl.model, path=str(files["sft_model"])),
+                data=replace(variant_rl.data, train_file=str(files["rl"])),
                 resume="auto",
             )
         )

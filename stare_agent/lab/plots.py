@@ -99,12 +99,20 @@ def main(folder: str | Path, target_entropy: float | None = None) -> list[Path]:
 
 
 def _target_entropy(folder: Path) -> float | None:
-    """H_tgt from the config.yaml of a STARE run inside the folder, if there is one."""
+    """H_tgt from the config.yaml of a run inside the folder whose method holds entropy to a target (stare and
+    low_prob_reweight: stare.target_entropy; entropy_bonus: its own), if there is one. A run made before
+    entropy_control has stare.enabled instead."""
     import yaml
 
     for config in [folder / "config.yaml", *sorted(folder.glob("*/config.yaml"))]:
         if config.exists():
-            stare = (yaml.safe_load(config.read_text()) or {}).get("stare") or {}
-            if stare.get("enabled") and "target_entropy" in stare:
-                return float(stare["target_entropy"])
+            saved = yaml.safe_load(config.read_text()) or {}
+            if "entropy_control" in saved:
+                method = (saved["entropy_control"] or {}).get("method")
+            else:
+                method = "stare" if (saved.get("stare") or {}).get("enabled") else "none"
+            section = {"stare": "stare", "low_prob_reweight": "stare", "entropy_bonus": "entropy_bonus"}.get(method)
+            target = (saved.get(section) or {}).get("target_entropy") if section else None
+            if target is not None:
+                return float(target)
     return None

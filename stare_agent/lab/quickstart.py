@@ -3,7 +3,7 @@
 1. synthetic tool tasks: SFT transcripts (code really run in the sandbox), RL prompts, test problems;
 2. a tiny model: a tokenizer trained on that text and a random Qwen2;
 3. SFT on the transcripts;
-4. RL twice from the same SFT checkpoint for the same steps: GRPO-ds (stare.enabled=false) and STARE;
+4. RL twice from the same SFT checkpoint for the same steps: GRPO-ds (entropy_control.method=none) and STARE;
 5. evaluation of the SFT, GRPO-ds and STARE models on the held-out test problems;
 6. plots of both RL runs on shared axes and a summary (summary.md, summary.json).
 Every stage writes its own run folder (with its resolved config.yaml) inside the quickstart folder.
@@ -29,6 +29,7 @@ from stare_agent.config import (
     OptimConfig,
     PolicyLossConfig,
     RLConfig,
+    RLOptimConfig,
     RolloutConfig,
     RunConfig,
     SFTConfig,
@@ -117,7 +118,7 @@ def quickstart_rl(steps: int) -> RLConfig:
     return RLConfig(
         agent=_quickstart_agent(),
         rollout=RolloutConfig(prompts_per_step=8, group_size=8, max_turn_tokens=160, batch_size=64),
-        optim=OptimConfig(lr=2e-4),
+        optim=RLOptimConfig(lr=2e-4),
         loss=PolicyLossConfig(micro_batch_size=32),
         # chosen by measurement on this task (docs/quickstart.md)
         stare=StareConfig(op="O1", top_ratio=0.02, w=3.0, target_entropy=0.14, gate="batch"),
@@ -129,7 +130,8 @@ def quickstart_rl(steps: int) -> RLConfig:
 class QuickstartConfig:
     """`stare-agent quickstart`: tiny model, synthetic data, SFT, then GRPO-ds and STARE from the same SFT
     checkpoint for the same steps, evaluation of all three, plots and a summary. The sections `sft`,
-    `rl` and `eval` are full command configs; the quickstart fills in their paths and run names."""
+    `rl` and `eval` are full command configs; the quickstart fills in their paths and run names, and each RL
+    arm's entropy_control.method (none for GRPO-ds, stare for STARE)."""
 
     run: RunConfig = field(default_factory=lambda: RunConfig(threads=0))
     """threads 0 (torch's default, one per core): the stages that run alone (data, SFT, the SFT model's
@@ -229,10 +231,12 @@ def run(config: QuickstartConfig) -> Path:
     models = {"sft": sft.run(sft_config)}
     timings["sft"] = time.perf_counter() - started
 
+    # The two arms differ only in the method: STARE is forced on its arm, so the quickstart always compares the two.
     stare_name = f"stare-{config.rl.stare.op if isinstance(config.rl.stare.op, str) else 'custom'}"
-    variants = {"grpo-ds": replace(config.rl.stare, enabled=False), stare_name: config.rl.stare}
+    control = config.rl.entropy_control
+    variants = {"grpo-ds": replace(control, method="none"), stare_name: replace(control, method="stare")}
     arms = {}
-    for name, stare in variants.items():
+    for name, entropy_control in variants.items():
         run = stage_run(f"rl-{name}")
         if config.side_by_side:
             run = replace(run, threads=1)
@@ -241,7 +245,7 @@ def run(config: QuickstartConfig) -> Path:
             run=run,
             model=replace(config.rl.model, path=str(models["sft"])),
             data=replace(config.rl.data, train_file=str(files["rl"])),
-            stare=stare,
+            entropy_control=entropy_control,
         )
         arms[name] = (rl_config, _eval_config(config, replace(run, name=f"eval-{name}"), files["test"]))
 

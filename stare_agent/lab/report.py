@@ -230,12 +230,16 @@ def _without_lists(numbers: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def entropy_targets(config: ExperimentConfig, variants: list[str]) -> dict[float, list[str]]:
-    """H_tgt -> the variants (of `variants`, STARE on) that hold entropy to it; variants may set their own."""
+    """H_tgt -> the variants (of `variants`) whose method holds entropy to it: stare.target_entropy for stare and
+    low_prob_reweight, entropy_bonus.target_entropy for entropy_bonus; variants may set their own."""
     targets: dict[float, list[str]] = {}
     for variant in variants:
-        stare = config.variant_stare(variant)
-        if stare.enabled:
-            targets.setdefault(stare.target_entropy, []).append(variant)
+        rl = config.variant_rl(variant)
+        method = rl.entropy_control.method
+        if method in ("stare", "low_prob_reweight"):
+            targets.setdefault(rl.stare.target_entropy, []).append(variant)
+        elif method == "entropy_bonus":
+            targets.setdefault(rl.entropy_bonus.target_entropy, []).append(variant)
     return targets
 
 

@@ -122,14 +122,15 @@ class Variant:
     """One training run of the sweep."""
 
     name: str
-    stare: StareConfig
+    stare: StareConfig | None
+    """None: plain GRPO (every weight 1)."""
 
 
 def sweep(config: SimulateConfig) -> list[Variant]:
     """GRPO, O1 open loop for each open_loop_w, and O1 gated for each gated_w."""
     base = config.stare
     gated = base.gate if base.gate != "off" else "batch"
-    variants = [Variant("grpo", dataclasses.replace(base, enabled=False))]
+    variants = [Variant("grpo", None)]
     for w in config.open_loop_w:
         variants.append(Variant(f"O1 open W={w:g}", dataclasses.replace(base, op="O1", w=w, gate="off")))
     for w in config.gated_w:
@@ -138,15 +139,23 @@ def sweep(config: SimulateConfig) -> list[Variant]:
     return variants
 
 
-def train_toy(task: ToyTaskConfig, stare: StareConfig, seed: int) -> list[dict[str, float]]:
-    """One run; returns one metrics row per step. The problem and the initial policy depend only on the seed."""
+def train_toy(
+    task: ToyTaskConfig, stare: StareConfig | None, seed: int, top_ratio: float | None = None
+) -> list[dict[str, float]]:
+    """One run; returns one metrics row per step. The problem and the initial policy depend only on the seed.
+
+    stare None is plain GRPO (every weight 1, w reported as 1). top_ratio: P of the high+ set the theory
+    diagnostics (W*, proxy precision) use; None = stare.top_ratio, or StareConfig's default without STARE.
+    """
     gen = torch.Generator().manual_seed(seed)
     # The first `valid_tokens` of a random permutation are the valid tokens of each position.
     order = torch.rand(task.prompts, task.length, task.vocab, generator=gen).argsort(-1)
     valid = order.argsort(-1) < task.valid_tokens  # (P, L, V) bool
     logits = torch.randn(task.prompts, task.length, task.vocab, generator=gen) * task.init_std
     logits = (logits + task.valid_bias * valid).requires_grad_()
-    controller = StareController(stare)
+    controller = StareController(stare) if stare is not None else None
+    if top_ratio is None:
+        top_ratio = (stare or StareConfig()).top_ratio
     positions = task.prompts * task.length
     entropy_all = entropy_and_s2(logits.detach())[0].mean()
     rows = []
@@ -164,11 +173,14 @@ def train_toy(task: ToyTaskConfig, stare: StareConfig, seed: int) -> list[dict[s
         action_mask = torch.ones_like(logp)  # (B, L); every position is sampled by the policy
         surprisal = -logp.detach()
         entropy, s2 = entropy_and_s2(z.detach())
-        high_pos = select_quadrants(surprisal, advantages, action_mask, stare.top_ratio, ("high+",))["high+"]
+        high_pos = select_quadrants(surprisal, advantages, action_mask, top_ratio, ("high+",))["high+"]
         theory = batch_diagnostics(surprisal, advantages, action_mask, entropy, s2, high_pos)
-        weights, stare_metrics = controller(
-            surprisal, advantages, action_mask, entropy, critical_weight=theory["theory/critical_weight"]
-        )
+        if controller is None:
+            weights, stare_metrics = torch.ones_like(surprisal), {}
+        else:
+            weights, stare_metrics = controller(
+                surprisal, advantages, action_mask, entropy, critical_weight=theory["theory/critical_weight"]
+            )
         loss, _ = policy_loss(
             logp, logp.detach(), advantages, action_mask, eps_low=0.2, eps_high=0.28, weights=weights
         )
@@ -189,7 +201,7 @@ def train_toy(task: ToyTaskConfig, stare: StareConfig, seed: int) -> list[dict[s
                 "entropy_all_change_first_order": float(predicted),
                 "reward": float(reward.mean()),
                 "gate": float(stare_metrics.get("stare/gate", torch.tensor(float("nan")))),
-                "w": controller.w if stare.enabled else 1.0,
+                "w": controller.w if controller is not None else 1.0,
                 "weight_mean": float(weights.mean()),
                 "critical_weight": float(theory["theory/critical_weight"]),
                 "regime": REGIMES[int(theory["theory/regime"])],
@@ -275,7 +287,7 @@ def run(config: SimulateConfig) -> Path:
     results = {}
     started = time.perf_counter()
     for variant in sweep(config):
-        results[variant.name] = train_toy(config.toy, variant.stare, config.run.seed)
+        results[variant.name] = train_toy(config.toy, variant.stare, config.run.seed, config.stare.top_ratio)
     elapsed = time.perf_counter() - started
     with open(run_dir / "simulate.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -104,11 +104,13 @@ def make_optimizer(model: torch.nn.Module, config: OptimConfig, total_steps: int
 
 
 def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
-    """Clip (when max_grad_norm > 0), step, zero the gradients; returns the gradient norm before clipping."""
+    """Clip (when max_grad_norm > 0), step (and the scheduler, unless None), zero the gradients; returns the
+    gradient norm before clipping."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
     optimizer.step()
-    scheduler.step()
+    if scheduler is not None:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
 

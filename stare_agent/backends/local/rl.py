@@ -11,9 +11,13 @@ One step:
 3. one no-grad forward over the batch gives the old log-probs and, from the same logits, the exact
    per-token entropy and S2, all of the sampling distribution softmax(logits / temperature), in one
    chunked pass (theory.sampling_stats);
-4. GRPO group-normalized advantages; STARE weights over the whole batch (stare.StareController);
-5. one on-policy update: clipped surrogate with clip-higher, token-level mean over the batch, no KL.
-GRPO-ds is the same run with stare.enabled=false (weights 1; the same entropy metrics are logged).
+4. GRPO group-normalized advantages; the entropy-control method's weights over the whole batch
+   (step.control_step: STARE by default);
+5. `optim.updates_per_batch` updates (1 = on-policy), each on one mini-batch of the batch's episodes:
+   clipped surrogate with clip-higher, token-level mean over the mini-batch, no KL; Clip-Cov and KL-Cov select
+   their tokens at each update from the current policy (step.update_selection), the entropy bonus adds its
+   term.
+GRPO-ds is the same run with entropy_control.method=none (weights 1; the same entropy metrics are logged).
 
 The model runs in eval mode throughout RL (rollouts, reference pass and update): dropout would make the
 update's policy differ from the one that sampled, so the ratio would not be 1 on-policy.
@@ -52,11 +56,11 @@ from stare_agent.backends.local.generation import HFGenerator
 from stare_agent.batching import BatchFill, NoStepTrained, end_message, episode_stats
 from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
-from stare_agent.loss import group_advantages, logprob_mismatch, policy_loss
+from stare_agent.entropy_control import ControlSettings, EntropyControl, selection_loss_terms
+from stare_agent.loss import entropy_bonus_loss, group_advantages, logprob_mismatch, policy_loss, ratio_stats
 from stare_agent.runtime import make_client
-from stare_agent.stare import StareController
-from stare_agent.step import MicroBatch, stare_step
-from stare_agent.theory import sampling_stats, token_logprobs
+from stare_agent.step import MicroBatch, UpdatePart, control_step, update_selection
+from stare_agent.theory import sampling_stats, token_entropy, token_logprobs
 
 
 class TimedClient:
@@ -98,8 +102,17 @@ def reference_stats(
 
 def sequence_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-prob of each next token under softmax(logits / temperature), (B, T-1) float32, differentiable."""
+    return policy_outputs(model, ids, attention, temperature)[0]
+
+
+def policy_outputs(
+    model: Any, ids: torch.Tensor, attention: torch.Tensor, temperature: float, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each next token and (with `entropy`) the entropy at each position, of softmax(logits /
+    temperature) from one forward: (B, T-1) float32 each, differentiable; the entropy is None without it."""
     logits, targets = next_token_logits(model, ids, attention)
-    return token_logprobs(logits, targets, temperature=temperature)[:, :-1]
+    logprobs = token_logprobs(logits, targets, temperature=temperature)[:, :-1]
+    return logprobs, (token_entropy(logits, temperature=temperature)[:, :-1] if entropy else None)
 
 
 def pad_batch(results: Sequence[EpisodeResult], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -132,7 +145,8 @@ class UpdateBatch:
 
     ids, attention: (B, T); every other tensor (B, T-1) but advantages (B,). action_mask 1 = the target was
     sampled by the policy. old_logprobs, entropy and s2 are of softmax(logits / temperature) under the
-    weights that sampled; surprisal = -old_logprobs; weights are STARE's omega (1 where it does nothing).
+    weights that sampled; surprisal = -old_logprobs; weights are the method's advantage weights (STARE's omega;
+    1 where it does nothing); entropy_coef is the entropy bonus's alpha for this batch (0 without one).
     """
 
     ids: torch.Tensor
@@ -144,6 +158,7 @@ class UpdateBatch:
     s2: torch.Tensor
     advantages: torch.Tensor
     weights: torch.Tensor
+    entropy_coef: float = 0.0
 
     @property
     def surprisal(self) -> torch.Tensor:
@@ -168,7 +183,7 @@ class Trainer:
         self.mismatch_warned = False
         self.problems = self._load_problems()
         self.optimizer, self.scheduler = make_optimizer(self.model, config.optim, config.steps)
-        self.controller = StareController(config.stare)
+        self.control = EntropyControl(ControlSettings.of(config))
         r = config.rollout
         self.generator = HFGenerator(
             self.model,
@@ -184,7 +199,7 @@ class Trainer:
             state = load_trainer_state(self.checkpoint)
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            self.controller.load_state_dict(state["stare"])
+            self.control.load_state_dict(state["stare"])
             self.generator.generator.set_state(state["generator_rng"])
             set_rng_state(state["rng"])
             self.step, self.cursor = state["step"], state["cursor"]
@@ -219,7 +234,7 @@ class Trainer:
             "cursor": self.cursor,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "stare": self.controller.state_dict(),
+            "stare": self.control.state_dict(),
             "generator_rng": self.generator.generator.get_state(),
             "rng": rng_state(),
         }
@@ -251,7 +266,7 @@ class Trainer:
         return kept, fill, fill.metrics()
 
     def prepare(self, groups: list[list[EpisodeResult]]) -> tuple[UpdateBatch, dict[str, float]]:
-        """Reference pass (no grad), GRPO advantages and STARE weights over the whole batch; and their metrics."""
+        """Reference pass (no grad), GRPO advantages and the method's weights over the whole batch; their metrics."""
         cfg, timings = self.config, {}
         results = [e for group in groups for e in group]
         padded = pad_batch(results, self.tokenizer.pad_token_id, self.device)
@@ -275,15 +290,27 @@ class Trainer:
         timings["time/stare"] = time.perf_counter() - started
 
         started = time.perf_counter()
-        (batch.weights,), step_metrics = stare_step(
-            self.controller, [MicroBatch(old_logprobs, advantages, mask, entropy, s2)]
+        (batch.weights,), step_metrics = control_step(
+            self.control, [MicroBatch(old_logprobs, advantages, mask, entropy, s2)]
         )
+        batch.entropy_coef = step_metrics.get("control/coef", 0.0) if self.control.method == "entropy_bonus" else 0.0
         timings["time/stare"] += time.perf_counter() - started
         return batch, {**step_metrics, **self._check_mismatch(batch), **timings}
 
     def _micro_batches(self, rows: int) -> list[slice]:
         micro = self.config.loss.micro_batch_size
         return [slice(i, min(i + micro, rows)) for i in range(0, rows, micro)]
+
+    def mini_batches(self, rows: int) -> list[torch.Tensor]:
+        """The row indices of each update's mini-batch: one with every row in order when updates_per_batch is 1,
+        else a permutation seeded by (run seed, step) cut into updates_per_batch equal parts."""
+        updates = self.config.optim.updates_per_batch
+        if updates == 1:
+            return [torch.arange(rows, device=self.device)]
+        order = torch.randperm(
+            rows, generator=torch.Generator().manual_seed(self.config.run.seed * 1_000_003 + self.step)
+        )
+        return [part.to(self.device) for part in order.chunk(updates)]
 
     def _check_mismatch(self, batch: UpdateBatch) -> dict[str, float]:
         """Rollout vs trainer log-probs of the sampled tokens; warns once per run above rollout.logprob_tolerance."""
@@ -305,48 +332,117 @@ class Trainer:
             )
         return {f"train/{name}": value for name, value in mismatch.items()}
 
-    def accumulate_gradients(self, batch: UpdateBatch) -> dict[str, float]:
-        """The clipped, STARE-weighted surrogate's gradient, summed into .grad over micro-batches.
+    def current_logprobs(self, batch: UpdateBatch, rows: torch.Tensor, update: int) -> torch.Tensor:
+        """The current policy's log-probs of the mini-batch's sampled tokens, for Clip-Cov's and KL-Cov's selection:
+        the sampling policy's at the first update (the weights have not moved yet), a no-grad pass after it."""
+        if update == 0:
+            return batch.old_logprobs[rows]
+        with torch.no_grad():
+            return torch.cat(
+                [
+                    sequence_logprobs(
+                        self.model, batch.ids[rows[sl]], batch.attention[rows[sl]], self.config.rollout.temperature
+                    )
+                    for sl in self._micro_batches(len(rows))
+                ]
+            )
 
-        The loss is one token-level mean over the action tokens of the whole batch, whatever the micro-batch size.
+    def accumulate_gradients(self, batch: UpdateBatch, rows: torch.Tensor, update: int) -> dict[str, torch.Tensor]:
+        """One update's loss gradient on the mini-batch `rows`, summed into .grad over micro-batches, and the sums
+        behind its metrics (ratio_stats' plus `loss` and `selected`).
+
+        The loss is one token-level mean over the mini-batch's action tokens, whatever the micro-batch size: the
+        clipped surrogate weighted by the method's advantage weights (Clip-Cov: 0 on the tokens it selects;
+        KL-Cov: unclipped, its penalty on the tokens it selects), minus the entropy bonus's term when it has one.
         """
-        cfg, mask = self.config, batch.action_mask
+        cfg, mask = self.config, batch.action_mask[rows]
         n_tokens = mask.sum()
-        # Metric tensors, reduced to numbers once after the loop (no host sync per micro-batch).
-        loss_total, clipped, ratio_dev = (torch.zeros((), device=self.device) for _ in range(3))
-        for sl in self._micro_batches(len(batch.ids)):
-            logprobs = sequence_logprobs(self.model, batch.ids[sl], batch.attention[sl], cfg.rollout.temperature)
-            loss, loss_metrics = policy_loss(
+        method = self.control.method
+        micro = self._micro_batches(len(rows))
+        selected = update_selection(
+            self.control,
+            [UpdatePart(self.current_logprobs(batch, rows, update), batch.old_logprobs[rows], batch.advantages[rows],
+                        mask)],
+            update,
+        )  # fmt: skip
+        selected = selected[0] if selected is not None else None
+        sums: dict[str, torch.Tensor] = {}
+        for sl in micro:
+            index = rows[sl]
+            logprobs, entropy = policy_outputs(
+                self.model, batch.ids[index], batch.attention[index], cfg.rollout.temperature,
+                entropy=batch.entropy_coef > 0,
+            )  # fmt: skip
+            terms = selection_loss_terms(method, None if selected is None else selected[sl], cfg.kl_cov.coef)
+            weights = batch.weights[index] * terms.pop("weights", 1.0)
+            loss, _ = policy_loss(
                 logprobs,
-                batch.old_logprobs[sl],
-                batch.advantages[sl],
+                batch.old_logprobs[index],
+                batch.advantages[index],
                 mask[sl],
                 eps_low=cfg.loss.eps_low,
                 eps_high=cfg.loss.eps_high,
                 dual_clip=cfg.loss.dual_clip,
-                weights=batch.weights[sl],
+                weights=weights,
                 num_tokens=n_tokens,
+                **terms,
             )
+            if entropy is not None:
+                loss = loss + entropy_bonus_loss(entropy, mask[sl], batch.entropy_coef, n_tokens)
             loss.backward()
-            with torch.no_grad():
-                loss_total = loss_total + loss.detach()
-                clipped = clipped + loss_metrics["policy/clip_frac"] * mask[sl].sum()
-                deviation = (logprobs - batch.old_logprobs[sl]).exp().sub(1).abs()
-                ratio_dev = torch.maximum(ratio_dev, torch.where(mask[sl].bool(), deviation, 0.0).max())
-        return {
-            "train/loss": float(loss_total),
-            "train/clip_frac": float(clipped / n_tokens),
-            "train/ratio_abs_dev_max": float(ratio_dev),
+            stats = ratio_stats(
+                logprobs.detach(), batch.old_logprobs[index], batch.advantages[index], mask[sl],
+                eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
+            )  # fmt: skip
+            stats["loss"] = loss.detach()
+            stats["selected"] = (selected[sl] & mask[sl]).sum().float() if selected is not None else torch.zeros(())
+            for key, value in stats.items():
+                sums[key] = (
+                    torch.maximum(sums[key], value)
+                    if key.endswith("_max") and key in sums
+                    else (sums.get(key, 0.0) + value)
+                )
+        return sums
+
+    def train_updates(self, batch: UpdateBatch) -> dict[str, float]:
+        """The batch's optimizer updates (optim.updates_per_batch mini-batches) and their metrics: the mean loss and
+        gradient norm over updates; the clip fraction on each side, mean |ratio - 1| and approximate KL to the
+        sampling policy over every token of every update; Clip-Cov's and KL-Cov's selected share."""
+        cfg = self.config
+        totals: dict[str, float] = {}
+        norms, losses = [], []
+        for update, rows in enumerate(self.mini_batches(len(batch.ids))):
+            sums = self.accumulate_gradients(batch, rows, update)
+            norms.append(clip_and_step(self.model, self.optimizer, None, cfg.optim.max_grad_norm))
+            losses.append(float(sums.pop("loss")))
+            for key, value in sums.items():
+                merge = max if key.endswith("_max") else (lambda a, b: a + b)
+                totals[key] = merge(totals[key], float(value)) if key in totals else float(value)
+        self.scheduler.step()  # one schedule step per rollout batch: the learning rate is a function of the step
+        tokens = max(totals["tokens"], 1.0)
+        metrics = {
+            "train/loss": sum(losses) / len(losses),
+            "train/grad_norm": sum(norms) / len(norms),
+            "train/clip_frac_high": totals["clip_high"] / tokens,
+            "train/clip_frac_low": totals["clip_low"] / tokens,
+            "train/clip_frac": (totals["clip_high"] + totals["clip_low"]) / tokens,
+            "train/ratio_abs_dev": totals["ratio_dev"] / tokens,
+            "train/ratio_abs_dev_max": totals["ratio_dev_max"],
+            "train/approx_kl": totals["approx_kl"] / tokens,
         }
+        if self.control.method in ("clip_cov", "kl_cov"):
+            metrics["control/selected_share"] = totals["selected"] / tokens
+            metrics["control/weight_mean"] = (
+                1.0 - metrics["control/selected_share"] if self.control.method == "clip_cov" else 1.0
+            )
+        return metrics
 
     def update(self, groups: list[list[EpisodeResult]]) -> dict[str, float]:
-        """Old log-probs, entropy and S2 (no grad), advantages, STARE weights, one clipped update."""
-        cfg = self.config
+        """Old log-probs, entropy and S2 (no grad), advantages, the method's weights, the batch's updates."""
         batch, metrics = self.prepare(groups)
 
         started = time.perf_counter()
-        metrics.update(self.accumulate_gradients(batch))
-        metrics["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
+        metrics.update(self.train_updates(batch))
         metrics["time/backward"] = time.perf_counter() - started
         metrics.update(
             {
@@ -397,7 +493,7 @@ class Trainer:
                 bar.set_postfix(
                     acc=f"{metrics['rollout/accuracy']:.2f}",
                     H=f"{metrics.get('stare/entropy_mean', float('nan')):.3f}",
-                    W=f"{self.controller.w:.2f}",
+                    W=f"{self.control.stare.w:.2f}",
                     tools=f"{metrics['rollout/tool_calls']:.1f}",
                     refresh=False,
                 )

@@ -1,5 +1,6 @@
-"""STARE inside OpenRLHF 0.11.2's PPO loop: subclasses of its actor, experience maker and trainer, put in place by
-`install()` before `runpy` runs `openrlhf.cli.train_ppo_ray` (no fork of OpenRLHF).
+"""Entropy control (STARE and the methods it is compared against) inside OpenRLHF 0.11.2's PPO loop: subclasses of
+its actor, experience maker and trainer, put in place by `install()` before `runpy` runs
+`openrlhf.cli.train_ppo_ray` (no fork of OpenRLHF).
 
 Where each piece plugs in (the hook facts checked against OpenRLHF's source: docs/dev/openrlhf_cpu.md):
 
@@ -7,15 +8,18 @@ Where each piece plugs in (the hook facts checked against OpenRLHF's source: doc
   entropy H and S2 of the sampling policy at every action position, from the same forward's logits (already
   float32 and divided by rollout.temperature inside OpenRLHF's `Actor`), in one chunked pass
   (`theory.entropy_and_s2`). Entropy is needed on the driver before the update, and OpenRLHF computes it only in
-  the training forward, per rank, after the weights would be needed.
+  the training forward, per rank, after the weights would be needed. Its `fit` puts in place what the methods
+  that act at each update need (updates.py: Clip-Cov's and KL-Cov's selection and loss, the entropy bonus's
+  coefficient, the ratio statistics).
 - `StareExperienceMaker` (on the trainer actor, which holds the whole step's batch): dispatches that forward to
   the actor group instead of `forward`, keeps H and S2 per micro-batch, and after OpenRLHF's advantages runs
-  `stare_step` once over all micro-batches and multiplies each `experience.advantages` by its weights. Scaling the
-  advantage by omega > 0 equals weighting OpenRLHF's clipped loss per token (clip-higher and dual clip included),
-  so the loss itself is not touched.
-- `StarePPOTrainer`: builds the `StareController` from our RLConfig ($STARE_AGENT_RL_CONFIG), uses the maker
-  above, adds the step's `stare/*` and `theory/*` metrics to `train_step`'s status (logged as `train/stare/...`),
-  and keeps the controller's state in the DeepSpeed checkpoint's `client_states`.
+  `step.control_step` once over all micro-batches, multiplies each `experience.advantages` by its weights (the
+  methods that scale advantages) and sends the ranks the step's state for the update (`set_update_control`).
+  Scaling the advantage by omega >= 0 equals weighting OpenRLHF's clipped loss per token (clip-higher and dual clip
+  included), so for those methods the loss itself is not touched.
+- `StarePPOTrainer`: builds the `EntropyControl` from our RLConfig ($STARE_AGENT_RL_CONFIG), uses the maker
+  above, adds the step's `control/*`, `stare/*` and `theory/*` metrics to `train_step`'s status (logged as
+  `train/stare/...`), and keeps the control's state in the DeepSpeed checkpoint's `client_states`.
 
 Not supported (refused here, and by the launcher before anything starts): packed samples (`--ds.packing_samples`:
 the logits come back packed and H would need unpadding to the batch; OpenRLHF packs only with flash-attention 2),
@@ -23,8 +27,9 @@ ring attention and tensor parallelism (`--ds.ring_attn_size`, `--ds.tensor_paral
 does not gather sharded logits).
 
 Private OpenRLHF names this relies on (pinned by tests/test_openrlhf_hooks.py): RemoteExperienceMaker's
-`_dispatch_forward` and `_flatten_results`, the classes under Ray's wrappers (`__ray_actor_class__`), and the
-`client_states` dict `PPOTrainer.fit` hands to `save_logs_and_checkpoints`.
+`_dispatch_forward` and `_flatten_results`, the classes under Ray's wrappers (`__ray_actor_class__`), the
+`client_states` dict `PPOTrainer.fit` hands to `save_logs_and_checkpoints`, and on the ranks the trainer's
+`actor_loss_fn` and `training_step` and ppo_actor's `iter_grad_accum_global_norm` (updates.py).
 """
 
 from __future__ import annotations
@@ -39,13 +44,13 @@ import ray
 import torch
 from torch import Tensor
 
-from stare_agent.backends.openrlhf import upstream
+from stare_agent.backends.openrlhf import updates, upstream
 from stare_agent.backends.openrlhf.episodes import config_from_env
 from stare_agent.batching import EPISODE_STATS, BatchFill
 from stare_agent.config import RLConfig, RolloutConfig
+from stare_agent.entropy_control import ControlSettings, EntropyControl
 from stare_agent.loss import logprob_mismatch
-from stare_agent.stare import StareController
-from stare_agent.step import MicroBatch, stare_step
+from stare_agent.step import MicroBatch, control_step
 from stare_agent.theory import entropy_and_s2
 
 _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
@@ -138,18 +143,34 @@ class StarePolicyModelActor(ORIGINAL_ACTOR.__ray_actor_class__):
         s2 = s2[:, :-1][:, -width:] * mask
         return action_log_probs.to("cpu"), entropy.to("cpu"), s2.to("cpu")
 
+    def set_update_control(self, settings: ControlSettings, step: int, alpha: float) -> None:
+        """The entropy-control state of the step about to be trained, from the experience maker (updates.py)."""
+        control = EntropyControl(settings)
+        control.step = step
+        self.update_control = updates.UpdateControl(control, alpha=alpha)
+
+    def fit(self, kl_ctl: float = 0) -> Any:
+        """OpenRLHF's fit with the step's entropy control in place (updates.prepare_fit)."""
+        updates.prepare_fit(self)
+        try:
+            return super().fit(kl_ctl)
+        finally:
+            updates.finish_fit()
+
 
 class StareExperienceMaker(_maker_module.RemoteExperienceMaker):
-    """OpenRLHF's experience maker with STARE applied to the advantages, once per optimizer step.
+    """OpenRLHF's experience maker with the entropy-control method's weights applied to the advantages, once per
+    optimizer step (step.control_step).
 
-    Built with RemoteExperienceMaker's arguments plus `controller`. With `controller.config.enabled` false the
-    experiences are left exactly as OpenRLHF made them; the entropy and theory metrics are still computed.
+    Built with RemoteExperienceMaker's arguments plus `control`. For a method that does not scale the advantages
+    (none) the experiences are left exactly as OpenRLHF made them; the entropy and theory metrics are still
+    computed.
     """
 
-    def __init__(self, *args: Any, controller: StareController, **kwargs: Any):
+    def __init__(self, *args: Any, control: EntropyControl, **kwargs: Any):
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self.args.ds)
-        self.controller = controller
+        self.control = control
         self.metrics: dict[str, float] = {}
         """The last step's stare/* and theory/* metrics, until `pop_metrics`."""
         self._stats_refs: Any = None  # the actor group's refs from _dispatch_forward, recognised in _flatten_results
@@ -182,18 +203,24 @@ class StareExperienceMaker(_maker_module.RemoteExperienceMaker):
                 "STARE hooks: no entropy for every micro-batch (the actor group was not dispatched "
                 "forward_with_stats; is StarePolicyModelActor installed? call hooks.install() before train_ppo_ray)"
             )
-        self.apply_stare(experiences, stats)
+        self.apply_control(experiences, stats)
         self.metrics.update(rollout_mismatch(experiences))
         return experiences
 
-    def apply_stare(self, experiences: list, stats: list[tuple[Tensor, Tensor]]) -> None:
-        """Run the controller once over the step's micro-batches; scale each `advantages` by its weights."""
+    def apply_control(self, experiences: list, stats: list[tuple[Tensor, Tensor]]) -> None:
+        """Run the method once over the step's micro-batches; scale each `advantages` by its weights."""
         parts = [
             MicroBatch(exp.action_log_probs, exp.advantages, exp.action_mask, entropy, s2)
             for exp, (entropy, s2) in zip(experiences, stats, strict=True)
         ]
-        weights, self.metrics = stare_step(self.controller, parts)
-        if not self.controller.config.enabled:
+        weights, self.metrics = control_step(self.control, parts)
+        alpha = self.metrics.get("control/coef", 0.0) if self.control.method == "entropy_bonus" else 0.0
+        ray.get(
+            self.actor_model_group.async_run_method(
+                method_name="set_update_control", settings=self.control.settings, step=self.control.step, alpha=alpha
+            )
+        )
+        if not self.control.reweights:
             return
         for exp, weight in zip(experiences, weights, strict=True):
             exp.advantages = exp.advantages * weight.to(exp.advantages.dtype)
@@ -352,7 +379,7 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         config = config_from_env()
-        self.use_stare(StareController(config.stare))
+        self.use_control(EntropyControl(ControlSettings.of(config)))
         self.use_full_batches(config)
 
     def use_full_batches(self, config: RLConfig) -> None:
@@ -363,18 +390,18 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
             self.samples_generator = StareSamplesGenerator.replacing(self.samples_generator, config)
 
     def get_max_steps(self) -> int:
-        # OpenRLHF sizes the actor's LR schedule from this (train_ppo_ray.py); its own count comes from the prompt
-        # file's length, which is not the number of updates once groups are filtered and refilled.
-        return self.run_config.steps
+        # OpenRLHF sizes the actor's LR schedule from this (train_ppo_ray.py), in optimizer updates; its own count
+        # comes from the prompt file's length, which is not the number of updates once groups are refilled.
+        return self.run_config.steps * self.run_config.optim.updates_per_batch
 
     def end_report(self) -> dict[str, Any]:
         """After fit: steps trained in all (resumed ones included), of how many, and why it stopped early."""
         reason = getattr(getattr(self, "samples_generator", None), "stop_reason", "")
         return {"trained": self.steps_trained, "steps": self.run_config.steps, "reason": reason}
 
-    def use_stare(self, controller: StareController) -> None:
-        """Replace OpenRLHF's experience maker by ours, built with the same arguments, driving `controller`."""
-        self.stare_controller = controller
+    def use_control(self, control: EntropyControl) -> None:
+        """Replace OpenRLHF's experience maker by ours, built with the same arguments, driving `control`."""
+        self.control = control
         self.experience_maker = StareExperienceMaker(
             self.actor_model_group,
             self.critic_model_group,
@@ -383,7 +410,7 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
             self.kl_ctl,
             self.strategy,
             self.tokenizer,
-            controller=controller,
+            control=control,
         )
 
     def train_step(self, rollout_samples: list, global_step: int) -> tuple[dict, int]:
@@ -397,13 +424,13 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
     def save_logs_and_checkpoints(self, global_step: int, logs_dict: Any = None, client_states: Any = None) -> None:
         # In place: fit() hands the same dict to save_best_checkpoint afterwards.
         client_states = {} if client_states is None else client_states
-        client_states[CHECKPOINT_KEY] = self.stare_controller.state_dict()
+        client_states[CHECKPOINT_KEY] = self.control.state_dict()
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
 
     def init_checkpoint_states(self) -> dict:
         states = super().init_checkpoint_states()
         if CHECKPOINT_KEY in states:
-            self.stare_controller.load_state_dict(states[CHECKPOINT_KEY])
+            self.control.load_state_dict(states[CHECKPOINT_KEY])
         self.steps_trained = states.get("global_step", 0)
         if hasattr(self, "samples_generator"):
             self.samples_generator.handed = self.steps_trained

@@ -34,6 +34,7 @@ import yaml
 
 from stare_agent.backends.openrlhf.sft import DTYPES, SCHEDULES, local_only_problems
 from stare_agent.config import ConfigError, RLConfig, SFTConfig, run_path, save_config, to_dict
+from stare_agent.entropy_control import UPDATE_METHODS
 
 # OpenRLHF flags we refuse in the openrlhf block: (flag, allowed values or None for "never", why).
 REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
@@ -48,7 +49,12 @@ REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
         "the STARE entropy pass reads padded (batch, length, vocab) logits; packed ones would need unpadding",
     ),
     ("ckpt.disable_ds", (False,), "the STARE controller's state is saved in the DeepSpeed checkpoint"),
-    ("actor.entropy_coef", (None,), "an entropy bonus changes the loss STARE is defined on"),
+    (
+        "actor.entropy_coef",
+        (None,),
+        "OpenRLHF's fixed entropy bonus changes the loss of every method; the adaptive one is "
+        "entropy_control.method=entropy_bonus",
+    ),
     ("data.apply_chat_template", (False,), "prompts are built by stare_agent.protocol (the same as SFT and eval)"),
     ("reward.model_name_or_path", (None,), "the reward is the verifiable answer check of the agent executor"),
     ("reward.remote_url", (None,), "the reward is the verifiable answer check of the agent executor"),
@@ -76,8 +82,11 @@ def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tupl
         "rollout.temperature": (r.temperature, "rollout.temperature"),
         "rollout.top_p": (r.top_p, "rollout.top_p"),
         "rollout.max_new_tokens": (r.max_turn_tokens, "rollout.max_turn_tokens"),
-        "train.batch_size": (r.prompts_per_step * r.group_size, "rollout.prompts_per_step x rollout.group_size"),
-        "train.max_epochs": (1, "one on-policy update per batch (fixed)"),
+        "train.batch_size": (
+            r.prompts_per_step * r.group_size // o.updates_per_batch,
+            "rollout.prompts_per_step x rollout.group_size / optim.updates_per_batch",
+        ),
+        "train.max_epochs": (1, "each batch's episodes trained once, in optim.updates_per_batch updates (fixed)"),
         "train.num_episodes": (1, "one pass of OpenRLHF's loop: the hooks end it after `steps` full batches (fixed)"),
         "train.seed": (config.run.seed, "run.seed"),
         "train.agent_func_path": (agent_file, "the stare-agent executor (fixed)"),
@@ -124,6 +133,12 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
         )
     problems = local_only_problems(config.model, config.run)
+    correction = config.openrlhf.get("algo.advantage.is_correction_level", "off")
+    if config.entropy_control.method in UPDATE_METHODS and correction != "off":
+        problems.append(
+            f"openrlhf.algo.advantage.is_correction_level={correction}: the {config.entropy_control.method} loss "
+            "does not apply OpenRLHF's importance-sampling correction; leave it off"
+        )
     if problems:
         raise ConfigError("backend openrlhf (rl): " + "; ".join(problems))
     _refuse(config.openrlhf, ours, REFUSED)
@@ -150,10 +165,12 @@ def even_split_problems(config: RLConfig, namespace: Any) -> list[str]:
             f"{what} do not split into whole micro-batches of openrlhf.rollout.micro_batch_size={forward} shared "
             f"evenly by {where} in the experience pass"
         )
-    if samples % (ranks * update):
+    per_update = samples // config.optim.updates_per_batch
+    if per_update % (ranks * update):
         problems.append(
-            f"{what} do not split into whole micro-batches of loss.micro_batch_size={update} shared evenly by "
-            f"{where} in the update"
+            f"{what}, {per_update} per optimizer update (optim.updates_per_batch={config.optim.updates_per_batch}), "
+            f"do not split into whole micro-batches of loss.micro_batch_size={update} shared evenly by {where} in "
+            "the update"
         )
     return problems
 

@@ -10,7 +10,7 @@ OUT only prints the tables.
     stare-agent lab rl_experiment runs/quickstart-XXXX --out docs/experiments/quickstart \\
         --seeds 0 1 2 --variants grpo-ds stare-O1 stare-C2 [--steps 36] [--blocks 10] [key=value ...]
 
-Variants: grpo-ds (stare.enabled=false), stare-O1, stare-C2 (the quickstart's STARE settings with
+Variants: grpo-ds (entropy_control.method=none), stare-O1, stare-C2 (the quickstart's STARE settings with
 op O1 or C2). Extra key=value words are RL config overrides applied to every run.
 """
 
@@ -24,16 +24,18 @@ from pathlib import Path
 from stare_agent.backends.local import rl
 from stare_agent.backends.local.common import read_metrics
 from stare_agent.config import RLConfig, RunConfig, load_config
+from stare_agent.lab.experiment import rl_with_changes
 from stare_agent.lab.plots import smooth
 from stare_agent.lab.runs import mean, run_summary
 from stare_agent.lab.stats import t_interval
 from stare_agent.runtime import set_threads
 from stare_agent.theory import REGIMES
 
+# Each variant's RL config changes by section, as `stare-agent experiment` writes its variants.
 VARIANTS = {
-    "grpo-ds": {"enabled": False},
-    "stare-O1": {"enabled": True, "op": "O1"},
-    "stare-C2": {"enabled": True, "op": "C2"},
+    "grpo-ds": {"entropy_control": {"method": "none"}},
+    "stare-O1": {"entropy_control": {"method": "stare"}, "stare": {"op": "O1"}},
+    "stare-C2": {"entropy_control": {"method": "stare"}, "stare": {"op": "C2"}},
 }
 
 Runs = dict[str, dict[int, list[dict]]]  # variant -> seed -> metrics rows
@@ -135,10 +137,11 @@ def main(argv: list[str] | None = None) -> None:
             config = replace(
                 config,
                 run=RunConfig(output_dir=str(args.out), name=name, seed=seed, threads=config.run.threads),
-                stare=replace(stare_base, **VARIANTS[variant]),
+                stare=stare_base,
                 steps=steps,
                 resume="auto",
             )
+            config = rl_with_changes(config, VARIANTS[variant], f"variant {variant}")
             done = args.out / name / "metrics.jsonl"
             if not (done.exists() and len(read_metrics(args.out / name)) >= steps):
                 set_threads(config.run)  # as `stare-agent rl` does

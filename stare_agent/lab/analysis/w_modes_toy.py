@@ -34,10 +34,14 @@ from stare_agent.lab.stats import t_interval
 from stare_agent.runtime import set_threads
 from stare_agent.stare import StareConfig
 
+P = 0.1
+"""The high+ share of every mode (the paper's), and of the theory diagnostics in the GRPO runs."""
 
-def modes(target: float, fixed: list[float], margins: list[float]) -> dict[str, StareConfig]:
-    base = StareConfig(op="O1", top_ratio=0.1, gate="batch", target_entropy=target)
-    out = {"GRPO": dataclasses.replace(base, enabled=False)}
+
+def modes(target: float, fixed: list[float], margins: list[float]) -> dict[str, StareConfig | None]:
+    """Mode name -> its STARE settings; None for GRPO (every weight 1)."""
+    base = StareConfig(op="O1", top_ratio=P, gate="batch", target_entropy=target)
+    out: dict[str, StareConfig | None] = {"GRPO": None}
     for w in fixed:
         out[f"fixed W={w:g}"] = dataclasses.replace(base, w=w)
     out["adaptive"] = dataclasses.replace(base, w=1.1, w_mode="adaptive", alpha=0.01, w_max=1.5)
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.only and name not in args.only:
                 continue
             for seed in args.seeds:
-                rows = train_toy(task, stare, seed)
+                rows = train_toy(task, stare, seed, top_ratio=P)
                 numbers.setdefault(name, []).append(run_numbers(rows, target))
                 curves.setdefault(name, []).append([r["entropy"] for r in rows])
                 if handle is not None:
