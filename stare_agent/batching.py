@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from stare_agent.protocol import is_void_turn
+
 if TYPE_CHECKING:
     from stare_agent.agent import EpisodeResult
 
@@ -74,6 +76,7 @@ EPISODE_STATS = (
     "tool_calls",
     "tool_errors",
     "tool_seconds",
+    "void_turns",
     "finish_answer",
     "finish_eos",
     "finish_length",
@@ -101,6 +104,7 @@ def episode_stats(result: EpisodeResult) -> dict[str, float]:
         "tool_calls": float(result.tool_calls),
         "tool_errors": float(result.tool_errors),
         "tool_seconds": sum(turn.duration_ms for turn in result.turns) / 1000,
+        "void_turns": float(sum(is_void_turn(turn.text) for turn in result.turns)),
         "finish_answer": float(finish == "answer"),
         "finish_eos": float(finish == "eos"),
         "finish_length": float(finish == "length" and not too_long),

@@ -15,15 +15,18 @@ Two kinds of method:
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
 
-from stare_agent.stare import StareConfig, StareController, _take_k, ceil_count
+from stare_agent.stare import StareController, _take_k, ceil_count
 
 Method = Literal["none", "stare", "clip_cov", "kl_cov", "forking_tokens", "low_prob_reweight", "entropy_bonus"]
 METHODS: tuple[Method, ...] = get_args(Method)
@@ -43,10 +46,17 @@ class EntropyControlConfig:
     method: Method = "stare"
     """none: GRPO-ds (every weight 1). stare: the `stare` section. clip_cov, kl_cov, forking_tokens,
     low_prob_reweight, entropy_bonus: the methods of docs/entropy_control.md, each set in its own section."""
+    report_every: int = 10
+    """Every this many steps, the token strings the method acted on most often since the last report are appended
+    to `selected_tokens.jsonl` in the run folder (0 = never)."""
+    report_top: int = 50
+    """How many token strings a report lists."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.report_every < 0 or self.report_top < 1:
+            raise ValueError("report_every must be >= 0 and report_top >= 1")
 
 
 @dataclass
@@ -273,52 +283,65 @@ def clip_cov_generator(seed: int, step: int, update: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_009 + update)
 
 
-@dataclass
-class ControlSettings:
-    """Every section an entropy-control method reads, as one value (RLConfig holds them as separate sections)."""
+SELECTED_TOKENS = "selected_tokens.jsonl"
+"""The run folder's file of SelectedTokens reports, one JSON line each."""
 
-    method: Method = "stare"
-    stare: StareConfig = field(default_factory=StareConfig)
-    clip_cov: ClipCovConfig = field(default_factory=ClipCovConfig)
-    kl_cov: KLCovConfig = field(default_factory=KLCovConfig)
-    forking_tokens: ForkingTokensConfig = field(default_factory=ForkingTokensConfig)
-    low_prob_reweight: LowProbReweightConfig = field(default_factory=LowProbReweightConfig)
-    entropy_bonus: EntropyBonusConfig = field(default_factory=EntropyBonusConfig)
-    eps_low: float = 0.2
-    """The clipped surrogate's range (Clip-Cov does not zero tokens the surrogate clipped already)."""
-    eps_high: float = 0.28
-    seed: int = 0
-    """Seeds Clip-Cov's random draw (with the step and the update)."""
 
-    @classmethod
-    def of(cls, config: Any) -> ControlSettings:
-        """From an RLConfig (its entropy_control, method sections, loss clip range and run seed)."""
-        return cls(
-            method=config.entropy_control.method,
-            stare=config.stare,
-            clip_cov=config.clip_cov,
-            kl_cov=config.kl_cov,
-            forking_tokens=config.forking_tokens,
-            low_prob_reweight=config.low_prob_reweight,
-            entropy_bonus=config.entropy_bonus,
-            eps_low=config.loss.eps_low,
-            eps_high=config.loss.eps_high,
-            seed=config.run.seed,
-        )
+def keep_reports_until(path: Path, step: int | None) -> None:
+    """At the start of a run: a fresh run (step None) starts a new report file; a resumed one keeps the reports of
+    the steps up to its checkpoint (the later ones are made again)."""
+    if not path.exists():
+        return
+    if step is None:
+        path.unlink()
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(f"{line}\n" for line in kept))
+
+
+class SelectedTokens:
+    """Counts of the token ids a method acted on, between two reports (the STARE paper's list of the most often
+    reweighted tokens)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[int] = Counter()
+        self.tokens = 0
+        """Action tokens seen since the last report."""
+
+    def add(self, ids: Tensor, acted: Tensor, mask: Tensor) -> None:
+        """ids, acted, mask: (B, T) aligned: the token at each position, whether the method acted on it, and whether
+        it is an action token."""
+        self.counts.update(ids[acted & mask].tolist())
+        self.tokens += int(mask.sum())
+
+    def report(self, step: int, method: str, tokenizer: Any, top: int) -> dict[str, Any]:
+        """The report of the counts since the last one (then reset): the `top` most frequent token strings."""
+        listed = [[tokenizer.convert_ids_to_tokens(i), i, n] for i, n in self.counts.most_common(top)]
+        out = {"step": step, "method": method, "selected": sum(self.counts.values()), "action_tokens": self.tokens,
+               "tokens": listed}  # fmt: skip
+        self.counts, self.tokens = Counter(), 0
+        return out
 
 
 class EntropyControl:
     """One run's entropy-control state: the method, STARE's controller (W, M, the gate; used by stare and
-    low_prob_reweight), the entropy bonus's coefficient, and the step count. Saved with checkpoints."""
+    low_prob_reweight), the entropy bonus's coefficient, the step count, and the counts of the tokens it acted on
+    since the last report. Saved with checkpoints (the counts are not).
 
-    def __init__(self, settings: ControlSettings):
-        self.settings = settings
-        self.method = settings.method
-        threshold = settings.low_prob_reweight.threshold if self.method == "low_prob_reweight" else None
-        self.stare = StareController(settings.stare, prob_threshold=threshold)
-        self.bonus = EntropyBonus(settings.entropy_bonus)
+    config: the run's RLConfig; the methods read its entropy_control section, their own sections (stare,
+    clip_cov, kl_cov, forking_tokens, low_prob_reweight, entropy_bonus), the clip range (loss.eps_low,
+    loss.eps_high: Clip-Cov leaves the tokens the surrogate clipped) and run.seed (Clip-Cov's draw).
+    """
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.method = config.entropy_control.method
+        threshold = config.low_prob_reweight.threshold if self.method == "low_prob_reweight" else None
+        self.stare = StareController(config.stare, prob_threshold=threshold)
+        self.bonus = EntropyBonus(config.entropy_bonus)
         self.step = 0
         """Rollout batches seen (control_step calls)."""
+        self.selected = SelectedTokens()
 
     @property
     def reweights(self) -> bool:

@@ -114,6 +114,78 @@ def parse_tool_call(turn: str) -> str | None:
     return textwrap.dedent(code).strip("\n").rstrip()
 
 
+# --- what each token of an episode is ---------------------------------------------------------------------------
+
+TOKEN_CLASSES = ("prompt", "reasoning", "code", "tool_output", "answer")
+"""The class of each token of an episode (token_classes): the index into this tuple."""
+PROMPT, REASONING, CODE, TOOL_OUTPUT, ANSWER = range(len(TOKEN_CLASSES))
+AFTER_TOOL_TOKENS = 8
+"""How many sampled tokens after an interpreter output count as 'the first tokens after a tool call' in the
+per-class entropy metrics (entropy/after_tool)."""
+
+_CLASS_SPANS = (
+    (CODE, re.compile(re.escape(CODE_OPEN) + ".*?(?:" + re.escape(CODE_CLOSE) + r"|\Z)", re.DOTALL)),
+    (ANSWER, re.compile(re.escape(ANSWER_OPEN) + ".*?(?:" + re.escape(ANSWER_CLOSE) + r"|\Z)", re.DOTALL)),
+)
+
+
+def _decoded(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _token_holding(tokenizer: Any, ids: list[int], char: int) -> int:
+    """The index of the token whose text holds character `char` of decode(ids): the first prefix whose decoded
+    text is longer than `char` (a binary search: O(log n) decodes)."""
+    lo, hi = 0, len(ids) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_decoded(tokenizer, ids[: mid + 1])) > char:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def segment_classes(tokenizer: Any, ids: list[int]) -> list[int]:
+    """The class of each token of one model segment: CODE from the token holding `<code>` to the one holding
+    `</code>` (or the segment's end), ANSWER likewise for `<answer>`, REASONING for the rest. A token that holds
+    part of a tag belongs to the tag's span."""
+    text = _decoded(tokenizer, ids)
+    out = [REASONING] * len(ids)
+    for cls, pattern in _CLASS_SPANS:
+        for match in pattern.finditer(text):
+            first = _token_holding(tokenizer, ids, match.start())
+            last = _token_holding(tokenizer, ids, max(match.end() - 1, match.start()))
+            out[first : last + 1] = [cls] * (last + 1 - first)
+    return out
+
+
+def token_classes(tokenizer: Any, token_ids: list[int], action_mask: list[int]) -> list[int]:
+    """The class (TOKEN_CLASSES index) of every token of an episode, from its ids and action mask (1 = sampled):
+    PROMPT before the first sampled token, TOOL_OUTPUT for every later token the policy did not sample, and for
+    each run of sampled tokens (one model segment) segment_classes of its ids."""
+    if len(token_ids) != len(action_mask):
+        raise ValueError(f"token_ids and action_mask differ in length: {len(token_ids)} != {len(action_mask)}")
+    out: list[int] = []
+    start, n = 0, len(token_ids)
+    while start < n:
+        end = start
+        while end < n and bool(action_mask[end]) == bool(action_mask[start]):
+            end += 1
+        if action_mask[start]:
+            out += segment_classes(tokenizer, list(token_ids[start:end]))
+        else:
+            out += [TOOL_OUTPUT if start > 0 else PROMPT] * (end - start)  # runs alternate: after the prompt,
+            # every unsampled run follows a model segment
+        start = end
+    return out
+
+
+def is_void_turn(text: str) -> bool:
+    """A model turn with neither a code block nor an answer (no `<code>`, `</code>`, `<answer>` or `\\boxed{`)."""
+    return not any(mark in text for mark in (CODE_OPEN, CODE_CLOSE, ANSWER_OPEN, "\\boxed{"))
+
+
 # --- tool output --------------------------------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from stare_agent.entropy_control import (
     forking_weights,
     kl_cov_select,
 )
+from stare_agent.protocol import AFTER_TOOL_TOKENS, ANSWER, CODE, PROMPT, REASONING, TOOL_OUTPUT
 from stare_agent.stare import _masked_mean, select_quadrants
 from stare_agent.theory import REGIMES, batch_diagnostics
 
@@ -42,7 +43,8 @@ class MicroBatch:
 
     action_log_probs: log pi_old of each action token under the sampling policy (temperature-scaled logits);
     advantages: the token's advantage, (b, t), or (b,) for one advantage per row (GRPO's); action_mask: 1 = sampled
-    by the policy (prompt, observations and padding 0); entropy, s2: of the sampling policy at each position.
+    by the policy (prompt, observations and padding 0); entropy, s2: of the sampling policy at each position;
+    classes: what each token is (protocol.token_classes), for the per-class metrics.
     """
 
     action_log_probs: Tensor
@@ -50,6 +52,10 @@ class MicroBatch:
     action_mask: Tensor
     entropy: Tensor
     s2: Tensor
+    classes: Tensor | None = None
+    """(b, t) int: protocol.TOKEN_CLASSES index of each position's token (None: no per-class metrics)."""
+    ids: Tensor | None = None
+    """(b, t) int: the token each position predicts (None: the tokens acted on are not counted)."""
 
 
 def _pad(parts: Sequence[Tensor], width: int, value: float) -> Tensor:
@@ -119,28 +125,66 @@ def control_step(control: EntropyControl, parts: Sequence[MicroBatch]) -> tuple[
         metrics["stare/w"], metrics["stare/m"] = stare.w, stare.m
         metrics["control/selected_share"] = float((mask & (weights != 1.0)).sum() / n_action)
     elif method == "forking_tokens":
-        cfg = control.settings.forking_tokens
+        cfg = control.config.forking_tokens
         weights = forking_weights(entropy, mask, top_ratio=cfg.top_ratio, normalize=cfg.normalize)
         metrics["control/selected_share"] = float((mask & (weights > 0)).sum() / n_action)
     else:
         weights = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
         if method == "entropy_bonus":
-            measure = control.settings.entropy_bonus.measure
+            measure = control.config.entropy_bonus.measure
             alpha = control.bonus.step(
                 metrics["stare/entropy_mean" if measure == "entropy" else "stare/surprisal_mean"]
             )
             metrics["control/coef"] = alpha
             metrics["control/selected_share"] = float(alpha > 0)
         elif method == "kl_cov":
-            metrics["control/coef"] = control.settings.kl_cov.coef
+            metrics["control/coef"] = control.config.kl_cov.coef
     if method not in UPDATE_METHODS:  # Clip-Cov's and KL-Cov's come from their updates
         metrics["control/weight_mean"] = float(_masked_mean(weights, mask))
+    acted = None
+    if method in ("stare", "low_prob_reweight"):
+        acted = mask & (weights != 1.0)
+    elif method == "forking_tokens":
+        acted = mask & (weights > 0)
+    if all(p.classes is not None for p in parts):
+        classes = _pad([p.classes.long() for p in parts], width, PROMPT)
+        metrics.update(class_metrics(entropy, mask, classes, acted))
+    if acted is not None and all(p.ids is not None for p in parts):
+        control.selected.add(_pad([p.ids.long() for p in parts], width, 0), acted, mask)
     control.step += 1
 
     metrics.update({k: float(v) for k, v in theory.items() if k != "theory/regime"})
     regime = REGIMES[int(theory["theory/regime"])]
     metrics.update({f"theory/regime_{name}": float(name == regime) for name in REGIMES})
     return _split(weights, parts), metrics
+
+
+CLASS_METRICS = {"reasoning": REASONING, "code": CODE, "answer": ANSWER}
+"""The token classes with their own entropy and selected-share metrics, beside after_tool."""
+
+
+def class_masks(mask: Tensor, classes: Tensor) -> dict[str, Tensor]:
+    """{name: (B, T) bool} over the action tokens: each class of CLASS_METRICS, and after_tool, the first
+    AFTER_TOOL_TOKENS action tokens after each interpreter output of a row."""
+    out = {name: mask & (classes == cls) for name, cls in CLASS_METRICS.items()}
+    positions = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
+    last_tool = torch.where(classes == TOOL_OUTPUT, positions, -1).cummax(dim=1).values
+    sampled = mask.long().cumsum(dim=1)
+    before = torch.where(last_tool >= 0, sampled.gather(1, last_tool.clamp_min(0)), 0)
+    out["after_tool"] = mask & (last_tool >= 0) & (sampled - before <= AFTER_TOOL_TOKENS)
+    return out
+
+
+def class_metrics(entropy: Tensor, mask: Tensor, classes: Tensor, acted: Tensor | None) -> dict[str, float]:
+    """entropy/<name>: the sampling policy's mean entropy over each class_masks set (NaN when empty);
+    control/selected_share_<name>: the share of the set the method acts on (`acted`; none when None)."""
+    out = {}
+    for name, members in class_masks(mask, classes).items():
+        out[f"entropy/{name}"] = float(_masked_mean(entropy.float(), members)) if members.any() else math.nan
+        if acted is not None:
+            share = float((acted & members).sum() / members.sum()) if members.any() else math.nan
+            out[f"control/selected_share_{name}"] = share
+    return out
 
 
 @dataclass(frozen=True)
@@ -163,7 +207,7 @@ def update_selection(control: EntropyControl, parts: Sequence[UpdatePart], updat
     `update` numbers the updates of the current rollout batch (0, 1, ...); with the control's step and seed it
     seeds Clip-Cov's random draw, so a resumed run draws the same tokens.
     """
-    method, settings = control.method, control.settings
+    method, config = control.method, control.config
     if method not in ("clip_cov", "kl_cov"):
         return None
     if not parts:
@@ -174,12 +218,12 @@ def update_selection(control: EntropyControl, parts: Sequence[UpdatePart], updat
     old = _pad([p.old_logprobs.float() for p in parts], width, 0.0)
     advantages = _pad([_per_token(p.advantages, p.action_mask).float() for p in parts], width, 0.0)
     if method == "clip_cov":
-        cfg = settings.clip_cov
+        cfg = config.clip_cov
         selected = clip_cov_select(
             advantages, logprobs, old, mask, ratio=cfg.ratio, lb=cfg.lb, ub=cfg.ub,
-            eps_low=settings.eps_low, eps_high=settings.eps_high,
-            generator=clip_cov_generator(settings.seed, control.step, update),
+            eps_low=config.loss.eps_low, eps_high=config.loss.eps_high,
+            generator=clip_cov_generator(config.run.seed, control.step, update),
         )  # fmt: skip
     else:
-        selected = kl_cov_select(advantages, logprobs, mask, ratio=settings.kl_cov.ratio)
+        selected = kl_cov_select(advantages, logprobs, mask, ratio=config.kl_cov.ratio)
     return _split(selected, parts)

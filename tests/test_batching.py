@@ -76,14 +76,16 @@ def test_end_message_says_how_many_steps_and_why():
 def test_episode_stats_and_the_step_s_rollout_metrics():
     from stare_agent.agent import EpisodeResult, Turn
 
-    call = Turn("x", 2, code="1/0", status="error", duration_ms=500.0, observation_tokens=2)
-    answered = EpisodeResult("p", [1, 2, 3, 4, 5, 6, 7], [0, 0, 1, 1, 0, 0, 1], [0.0] * 7, 2, [call, Turn("y", 1)],
+    call = Turn("<code>1/0</code>", 2, code="1/0", status="error", duration_ms=500.0, observation_tokens=2)
+    turns = [call, Turn("so", 1), Turn("<answer>3</answer>", 1), Turn("\\boxed{3}", 1)]
+    answered = EpisodeResult("p", [1, 2, 3, 4, 5, 6, 7], [0, 0, 1, 1, 0, 0, 1], [0.0] * 7, 2, turns,
                              "3", 1.0, "answer")  # fmt: skip
     too_long = EpisodeResult("p", [1, 2], [0, 0], [0.0] * 2, 2, [], None, None, "length")
     stats = episode_stats(answered)
     assert tuple(stats) == EPISODE_STATS
     assert (stats["response_length"], stats["sampled_tokens"], stats["tool_output_tokens"]) == (5, 3, 2)
-    assert (stats["turns"], stats["tool_calls"], stats["tool_errors"], stats["tool_seconds"]) == (2, 1, 1, 0.5)
+    assert (stats["turns"], stats["tool_calls"], stats["tool_errors"], stats["tool_seconds"]) == (4, 1, 1, 0.5)
+    assert stats["void_turns"] == 1  # "so": neither a code block nor an answer
     long_stats = episode_stats(too_long)
     assert math.isnan(long_stats["reward"]) and long_stats["prompt_too_long"] == 1
     assert long_stats["finish_length"] == 0  # counted as a prompt with no room, not a response cut at the budget

@@ -9,13 +9,14 @@ import math
 import pytest
 import torch
 
+from stare_agent.config import RLConfig
 from stare_agent.entropy_control import (
     METHODS,
     ClipCovConfig,
-    ControlSettings,
     EntropyBonus,
     EntropyBonusConfig,
     EntropyControl,
+    EntropyControlConfig,
     ForkingTokensConfig,
     KLCovConfig,
     LowProbReweightConfig,
@@ -159,7 +160,7 @@ def test_forking_tokens_keep_the_top_entropy_share_of_the_whole_batch(normalize)
 
 
 def control(method: str, **sections) -> EntropyControl:
-    return EntropyControl(ControlSettings(method=method, **sections))
+    return EntropyControl(RLConfig(entropy_control=EntropyControlConfig(method), **sections))
 
 
 def parts_of(b: dict, bounds: list[tuple[int, int]]) -> list[MicroBatch]:
@@ -288,3 +289,58 @@ def test_every_method_resolves_from_the_command_line_and_an_unknown_one_is_refus
         assert cli.main(["config", "rl", override]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and named in err, err
+
+
+def test_entropy_and_selected_share_by_token_class_over_the_whole_batch():
+    """entropy/<class> and control/selected_share_<class> of control_step against a loop: reasoning, code, answer,
+    and the first AFTER_TOOL_TOKENS sampled tokens after each tool output; tool output itself is in none."""
+    from stare_agent import protocol
+
+    b = batch(seed=15)
+    g = torch.Generator().manual_seed(16)
+    classes = torch.randint(1, 5, b["mask"].shape, generator=g)  # reasoning, code, tool output, answer
+    classes[~b["mask"]] = protocol.TOOL_OUTPUT
+    classes[:, :2] = protocol.PROMPT
+    c = control("stare", stare=StareConfig(target_entropy=100.0, w=2.0, top_ratio=0.3))
+    parts = [MicroBatch(*(t[lo:hi] for t in (b["logp"], b["adv"], b["mask"], b["entropy"], b["s2"], classes)))
+             for lo, hi in [(0, 4), (4, 10)]]  # fmt: skip
+    weights, metrics = control_step(c, parts)
+    weights = torch.cat(weights)
+    members = {name: set() for name in ("reasoning", "code", "answer", "after_tool")}
+    names = {protocol.REASONING: "reasoning", protocol.CODE: "code", protocol.ANSWER: "answer"}
+    for r in range(b["mask"].shape[0]):
+        since_tool = None
+        for t in range(b["mask"].shape[1]):
+            if classes[r, t] == protocol.TOOL_OUTPUT:
+                since_tool = 0
+            if not b["mask"][r, t]:
+                continue
+            if int(classes[r, t]) in names:
+                members[names[int(classes[r, t])]].add((r, t))
+            if since_tool is not None:
+                since_tool += 1
+                if since_tool <= protocol.AFTER_TOOL_TOKENS:
+                    members["after_tool"].add((r, t))
+    for name, tokens in members.items():
+        assert tokens, name
+        mean = sum(float(b["entropy"][i]) for i in tokens) / len(tokens)
+        share = sum(float(weights[i] != 1) for i in tokens) / len(tokens)
+        assert metrics[f"entropy/{name}"] == pytest.approx(mean, rel=1e-5), name
+        assert metrics[f"control/selected_share_{name}"] == pytest.approx(share), name
+    assert 0 < metrics["control/selected_share_reasoning"] < 1
+    _, plain = control_step(control("none"), parts)
+    assert "entropy/code" in plain and "control/selected_share_code" not in plain
+
+
+def test_a_resumed_run_keeps_the_token_reports_up_to_its_checkpoint(tmp_path):
+    import json
+
+    from stare_agent.entropy_control import keep_reports_until
+
+    path = tmp_path / "selected_tokens.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "tokens": []}) + "\n" for s in (10, 20, 30)))
+    keep_reports_until(path, 20)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [10, 20]
+    keep_reports_until(path, None)  # a fresh run starts a new file
+    assert not path.exists()
+    keep_reports_until(path, None)  # and none is fine

@@ -23,7 +23,8 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from stare_agent.entropy_control import ControlSettings, EntropyControl
+from stare_agent.config import RLConfig
+from stare_agent.entropy_control import EntropyControl, EntropyControlConfig
 from stare_agent.loss import policy_loss
 from stare_agent.stare import StareConfig, StareController
 from stare_agent.theory import REGIMES
@@ -237,8 +238,19 @@ REWARDS = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0]  # two prompts' groups of 4
 STARE_ON = StareConfig(op="C2", top_ratio=0.2, w=1.5, m=0.6, target_entropy=100.0, gate="batch")
 
 
+def rl_config(method: str, **sections) -> RLConfig:
+    return RLConfig(entropy_control=EntropyControlConfig(method), **sections)
+
+
 def control(stare: StareConfig = STARE_ON, method: str = "stare") -> EntropyControl:
-    return EntropyControl(ControlSettings(method=method, stare=stare))
+    return EntropyControl(rl_config(method, stare=stare))
+
+
+def model_tokenizer(model):
+    """The tokenizer saved beside a tiny model (the experience maker decodes ids into token classes)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model.name_or_path)
 
 
 def make_experiences(hooks, model, maker_cls, monkeypatch, temperature=0.8, logprobs=False, **maker_kwargs):
@@ -249,7 +261,7 @@ def make_experiences(hooks, model, maker_cls, monkeypatch, temperature=0.8, logp
     group = LocalGroup(actor_rank(hooks, model, temperature), ranks=2)
     args = openrlhf_args()
     maker = maker_cls(
-        group, None, None, None, FixedKLController(0.0), NS(args=args), NS(pad_token_id=0), **maker_kwargs
+        group, None, None, None, FixedKLController(0.0), NS(args=args), model_tokenizer(model), **maker_kwargs
     )
     experiences = maker.make_experience_batch(rollout_samples(model.config.vocab_size, REWARDS, logprobs=logprobs))
     return experiences, maker, group
@@ -269,7 +281,7 @@ def test_stare_scales_openrlhfs_advantages_by_the_weights_of_the_whole_step(hook
     ctl = control()
     ours, maker, group = make_experiences(hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, control=ctl)
     assert [name for name, _ in group.calls] == ["forward_with_stats", "set_update_control"]
-    assert group.calls[1][1]["step"] == 1 and group.calls[1][1]["settings"].method == "stare"
+    assert group.calls[1][1]["step"] == 1 and group.calls[1][1]["config"].entropy_control.method == "stare"
     assert [name for name, _ in plain_group.calls] == ["forward"]
     assert len(ours) == 3 and len({e.action_mask.shape[1] for e in ours}) > 1
     assert ctl.step == 1 and ctl.stare.step == 1  # one call over the whole step
@@ -455,6 +467,7 @@ def make_trainer(hooks, group, ctl, args=None, tokenizer=None):
     trainer = object.__new__(hooks.StarePPOTrainer)
     BasePPOTrainer.__init__(trainer, NS(args=args or openrlhf_args()), group, None, None, None, None, tokenizer)
     trainer.use_control(ctl)
+    trainer.use_full_batches(RLConfig())  # what PPOTrainer.__init__ (skipped) would do with our config
     return trainer
 
 
@@ -485,9 +498,9 @@ def test_the_update_methods_loss_through_openrlhf_equals_the_local_loss(hooks, m
     logprobs, old, adv, mask = method_tensors()
     selected = torch.zeros_like(mask)
     selected[0, 2], selected[2, 6], selected[3, 1] = True, True, True
-    settings = ControlSettings(method=method, clip_cov=ClipCovConfig(), kl_cov=KLCovConfig(coef=2.5))
-    state = hooks.updates.UpdateControl(EntropyControl(settings), current=NS(info={}, stare_selected=selected))
-    loss_fn = hooks.updates.MethodLoss(NS(update_control=state), PolicyLoss(0.2, 0.28))
+    config = rl_config(method, clip_cov=ClipCovConfig(), kl_cov=KLCovConfig(coef=2.5))
+    state = hooks.updates.UpdateControl(EntropyControl(config), current=NS(info={}, stare_selected=selected))
+    loss_fn = hooks.updates.MethodLoss(NS(update_control=state, trainer=NS()), PolicyLoss(0.2, 0.28))
     total = float(mask.sum()) + 17  # the update's action tokens on every rank
     got, clip_ratio, *_ = loss_fn(logprobs, old, adv, action_mask=mask.float(), dp_size=1, batch_num_tokens=total)
     terms = selection_loss_terms(method, selected, 2.5)
@@ -501,7 +514,30 @@ def test_the_update_methods_loss_through_openrlhf_equals_the_local_loss(hooks, m
     assert float(clip_ratio) == pytest.approx(float(metrics["policy/clip_frac"]))
     info = state.current.info
     assert float(info["control/selected_share"]) == pytest.approx(3 / float(mask.sum()))
+    assert not any(key.startswith("_selected_") for key in info)  # the rank's trainer has no tokenizer here
     assert float(info["approx_kl"]) > 0 and 0 <= float(info["clip_frac_high"]) <= 1
+
+
+def test_the_ranks_per_class_shares_become_the_steps_selected_share_by_class(hooks, tiny_model):
+    """A rank's micro-batch logs each class's selected tokens and tokens as token means (updates.class_shares);
+    after OpenRLHF averages them over the step, the trainer's ratio is the share of the class's tokens selected."""
+    from stare_agent import protocol
+
+    sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size, rows=3)
+    exp = NS(sequences=sequences, attention_mask=attention, action_mask=action_mask)
+    classes = hooks.updates.experience_classes(model_tokenizer(tiny_model), exp)
+    assert classes.shape == action_mask.shape
+    assert set(classes[action_mask.bool()].tolist()) <= {protocol.REASONING, protocol.CODE, protocol.ANSWER}
+    assert (classes[~action_mask.bool() & (attention[:, 1:] == 1)] != protocol.REASONING).all()
+    selected = torch.zeros_like(action_mask, dtype=torch.bool)
+    selected[0, 4], selected[1, 5] = True, True
+    shares = hooks.updates.class_shares(selected & action_mask.bool(), action_mask.bool(), classes)
+    status = {key: float(value) for key, value in shares.items()}
+    out = hooks.class_shares_of(status)
+    reasoning = action_mask.bool() & (classes == protocol.REASONING)
+    expected = float((selected & reasoning).sum() / reasoning.sum())
+    assert out["control/selected_share_reasoning"] == pytest.approx(expected) and expected > 0
+    assert not any(key.startswith("_") for key in status)  # taken out of the status
 
 
 def test_other_methods_keep_openrlhfs_loss_and_add_the_ratio_statistics(hooks):
@@ -532,8 +568,8 @@ def test_each_update_selects_over_its_whole_window_from_the_current_policy(hooks
     from stare_agent.step import UpdatePart, update_selection
 
     rank = actor_rank(hooks, tiny_model, 0.8)
-    settings = ControlSettings(method="kl_cov", kl_cov=KLCovConfig(ratio=0.15))
-    rank.set_update_control(settings, step=3, alpha=0.0)
+    config = rl_config("kl_cov", kl_cov=KLCovConfig(ratio=0.15))
+    rank.set_update_control(config, step=3, alpha=0.0)
     experiences = []
     for seed in range(4):
         sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size, rows=2, seed=seed)
@@ -556,7 +592,7 @@ def test_each_update_selects_over_its_whole_window_from_the_current_policy(hooks
 
     def selection(window, update, source):
         parts = [UpdatePart(getattr(e, source), e.action_log_probs, e.advantages, e.action_mask) for e in window]
-        return update_selection(EntropyControl(settings), parts, update)
+        return update_selection(EntropyControl(config), parts, update)
 
     first, second = experiences[:2], experiences[2:]
     for exp, sel in zip(first, selection(first, 0, "action_log_probs"), strict=True):
@@ -565,7 +601,7 @@ def test_each_update_selects_over_its_whole_window_from_the_current_policy(hooks
         assert torch.equal(exp.stare_selected, sel)
     stale = torch.cat([s.flatten() for s in selection(second, 1, "action_log_probs")])
     assert not torch.equal(stale, torch.cat([e.stare_selected.flatten() for e in second]))  # the policy moved
-    alone = update_selection(EntropyControl(settings), [UpdatePart(second[0].current, second[0].action_log_probs,
+    alone = update_selection(EntropyControl(config), [UpdatePart(second[0].current, second[0].action_log_probs,
                              second[0].advantages, second[0].action_mask)], 1)[0]  # fmt: skip
     assert not torch.equal(alone, second[0].stare_selected)  # the window, not the micro-batch
 
@@ -581,9 +617,9 @@ def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks):
     rank.trainer = NS(actor_loss_fn=PolicyLoss(0.2, 0.28), training_step=lambda exp, *a, **k: seen.append(exp))
     with pytest.raises(RuntimeError, match="set_update_control"):
         hooks.updates.prepare_fit(rank)
-    bonus = ControlSettings(method="entropy_bonus", entropy_bonus=EntropyBonusConfig())
-    for settings, alpha, expected in ((bonus, 0.003, 0.003), (bonus, 0.0, None), (ControlSettings(), 0.003, None)):
-        rank.set_update_control(settings, step=5, alpha=alpha)
+    bonus = rl_config("entropy_bonus", entropy_bonus=EntropyBonusConfig())
+    for config, alpha, expected in ((bonus, 0.003, 0.003), (bonus, 0.0, None), (rl_config("stare"), 0.003, None)):
+        rank.set_update_control(config, step=5, alpha=alpha)
         hooks.updates.prepare_fit(rank)
         assert rank.strategy.args.actor.entropy_coef == expected
     hooks.updates.finish_fit()
@@ -632,16 +668,26 @@ def test_the_trainer_builds_the_controller_from_our_config_and_uses_our_maker(ho
 
 
 def test_train_step_reports_stare_and_theory_metrics_and_ships_the_weighted_advantages(
-    hooks, local_ray, tiny_model, tiny_tokenizer, monkeypatch
+    hooks, local_ray, tiny_model, tiny_tokenizer, monkeypatch, tmp_path
 ):
     """OpenRLHF's real BasePPOTrainer.train_step; the ranks' DeepSpeed `fit` (GPU) is LocalGroup's canned status,
-    and the rank's replay buffer (it moves data to CUDA) is a list that its real `append` fills."""
+    and the rank's replay buffer (it moves data to CUDA) is a list that its real `append` fills. With a report
+    every step, the tokens STARE reweighted are listed in the run folder."""
+    import json
+
     rank = actor_rank(hooks, tiny_model, 0.8)
     rank.trainer = NS(replay_buffer=[])
     group = LocalGroup(rank, ranks=2, fit_status={"policy_loss": 0.5})
-    trainer = make_trainer(hooks, group, control(), tokenizer=tiny_tokenizer)
+    args = openrlhf_args()
+    args.ckpt.path = str(tmp_path / "checkpoints")
+    trainer = make_trainer(hooks, group, control(), args=args, tokenizer=tiny_tokenizer)
+    trainer.run_config.entropy_control.report_every = 1
     status, step = trainer.train_step(rollout_samples(tiny_model.config.vocab_size, REWARDS), 0)
     assert step == 1 and status["policy_loss"] == 0.5
+    (report,) = [json.loads(line) for line in (tmp_path / "selected_tokens.jsonl").read_text().splitlines()]
+    assert report["step"] == 1 and report["method"] == "stare" and report["selected"] > 0
+    assert sum(n for _, _, n in report["tokens"]) == report["selected"] or len(report["tokens"]) == 50
+    assert report["selected"] == round(status["control/selected_share"] * report["action_tokens"])
     assert status["stare/gate"] == 1.0 and status["stare/w"] == 1.5
     assert {"theory/lambda", "theory/critical_weight", "stare/frac_high_pos"} <= status.keys()
     assert all(isinstance(v, float) for k, v in status.items() if k.startswith(("stare/", "theory/")))

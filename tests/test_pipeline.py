@@ -107,7 +107,7 @@ def test_a_small_quickstart_runs_end_to_end_and_plot_redraws(tmp_path):
         "grpo-ds",
         "stare-O1",
     }
-    for name in ("entropy", "reward", "accuracy", "response_length", "tool_calls"):
+    for name in ("entropy", "reward", "accuracy", "response_length", "tool_calls", "void_turns", "entropy_reasoning"):
         assert (run_dir / "plots" / f"{name}.png").stat().st_size > 0
     assert "The STARE settings, measured on this run" in (run_dir / "summary.md").read_text()
     for result in summary["eval"].values():  # the evaluation's own noise, next to each avg@k
@@ -138,3 +138,14 @@ def test_the_summary_says_what_the_run_can_and_cannot_show():
     flat = quickstart.what_it_shows(summary(0.12, 0.15, {"sft": [0.2, 0.3], "grpo-ds": [0.4, 0.5]}))
     assert "did not fall by a tenth" in flat[0] and "mechanics" in flat[0]
     assert "do not overlap" in flat[1]
+
+
+def test_plot_draws_entropy_by_token_class_and_skips_what_no_run_logged(tmp_path):
+    from stare_agent.lab.plots import plot_runs
+
+    rows = [
+        {"step": s, "stare/entropy_mean": 1.0, "entropy/code": 0.5 + s / 10, "rollout/reward": 0.5} for s in (1, 2)
+    ]
+    written = {path.name for path in plot_runs({"a": rows}, tmp_path)}
+    assert {"entropy.png", "entropy_code.png", "reward.png"} <= written
+    assert "entropy_answer.png" not in written and "void_turns.png" not in written

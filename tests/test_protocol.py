@@ -141,3 +141,46 @@ def test_system_prompt_shows_the_protocol_it_parses():
     example = protocol.SYSTEM_PROMPT[protocol.SYSTEM_PROMPT.index("<code>") :]
     assert parse_tool_call(example[: example.index("</code>") + len("</code>")]) == "print(3**20 % 7)"
     assert protocol.final_answer("42") in protocol.SYSTEM_PROMPT
+
+
+def test_token_classes_of_an_episode_follow_its_segments_and_tags(tiny_tokenizer):
+    """Prompt, a turn with reasoning and a code block, the observation, a turn with reasoning and an answer: every
+    token of the code block and of the answer (tags included) is CODE / ANSWER, the rest of a turn REASONING, the
+    unsampled ids PROMPT before the first turn and TOOL_OUTPUT after it. (Each piece is encoded alone, so its
+    tokens start at its first character.)"""
+    pieces = [  # (text, sampled, the class of each of its tokens)
+        ("User: what is 2^10?\n\nAssistant: ", 0, protocol.PROMPT),
+        ("Let me compute.\n", 1, protocol.REASONING),
+        ("<code>\n```python\nprint(2**10)\n```\n</code>", 1, protocol.CODE),
+        (observation("1024"), 0, protocol.TOOL_OUTPUT),
+        ("So the answer is\n", 1, protocol.REASONING),
+        ("<answer>\n\\boxed{1024}\n</answer>", 1, protocol.ANSWER),
+    ]
+    ids, mask, expected = [], [], []
+    for text, sampled, cls in pieces:
+        seg = protocol.encode_segment(tiny_tokenizer, text)
+        ids, mask, expected = ids + seg, mask + [sampled] * len(seg), expected + [cls] * len(seg)
+    classes = protocol.token_classes(tiny_tokenizer, ids, mask)
+    assert classes == expected
+    assert set(classes) == set(range(len(protocol.TOKEN_CLASSES)))
+    with pytest.raises(ValueError, match="differ in length"):
+        protocol.token_classes(tiny_tokenizer, ids, mask[:-1])
+
+
+def test_a_tag_inside_a_merged_token_puts_that_token_in_the_span(tiny_tokenizer):
+    """Ids cut so that a tag starts inside a token (the token also holds reasoning text): that token is CODE."""
+    text = "x<code>print(1)</code>"
+    ids = protocol.encode_segment(tiny_tokenizer, text)
+    classes = protocol.segment_classes(tiny_tokenizer, ids)
+    decoded = [tiny_tokenizer.decode([i]) for i in ids]
+    first_code = next(i for i, c in enumerate(classes) if c == protocol.CODE)
+    assert "".join(decoded[:first_code]) + decoded[first_code] >= "x<"  # the token that holds '<' of '<code>'
+    assert "<" in decoded[first_code] and classes[-1] == protocol.CODE
+    assert all(c == protocol.REASONING for c in classes[:first_code])
+
+
+def test_void_turns_have_neither_code_nor_an_answer():
+    assert protocol.is_void_turn("let me think again")
+    assert not protocol.is_void_turn("<code>\nprint(1)\n</code>")
+    assert not protocol.is_void_turn("so \\boxed{3}")
+    assert not protocol.is_void_turn("<answer>3</answer>")

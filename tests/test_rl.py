@@ -73,7 +73,8 @@ def rows(run_dir):
 @pytest.mark.parametrize("method", ["stare", "none"])
 def test_two_rl_steps_with_stare_on_and_off(tmp_path, tiny_model_dir, prompts, varied_reward, method):
     enabled = method == "stare"
-    final = rl.run(config(tmp_path, tiny_model_dir, prompts, "run", "steps=2", f"entropy_control.method={method}"))
+    overrides = ["steps=2", f"entropy_control.method={method}", "entropy_control.report_every=1"]
+    final = rl.run(config(tmp_path, tiny_model_dir, prompts, "run", *overrides))
     assert final.name == "step-000002"
     metrics = rows(tmp_path / "run")
     assert [r["step"] for r in metrics] == [1, 2]
@@ -91,6 +92,15 @@ def test_two_rl_steps_with_stare_on_and_off(tmp_path, tiny_model_dir, prompts, v
         assert "theory/critical_weight" in r and "theory/proxy_precision" in r
     before, after = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    reports = tmp_path / "run" / "selected_tokens.jsonl"
+    assert reports.exists() == enabled  # GRPO-ds acts on no token
+    if enabled:  # one report a step: the tokens STARE reweighted in it, most frequent first
+        lines = [json.loads(line) for line in reports.read_text().splitlines()]
+        assert [line["step"] for line in lines] == [1, 2]
+        for line, row in zip(lines, metrics, strict=True):
+            assert line["selected"] == round(row["control/selected_share"] * line["action_tokens"]) > 0
+            counts = [n for _, _, n in line["tokens"]]
+            assert counts == sorted(counts, reverse=True) and sum(counts) <= line["selected"]
 
 
 def test_rl_resume_is_exact(tmp_path, tiny_model_dir, prompts, varied_reward):
@@ -492,6 +502,8 @@ def test_every_method_trains_a_step_with_off_policy_updates(tmp_path, tiny_model
     assert 0 < row["control/selected_share"] <= 1
     assert row["control/weight_mean"] != 1.0 or method in ("kl_cov", "entropy_bonus")
     assert ("control/coef" in row) == (method in ("kl_cov", "entropy_bonus"))
+    assert row["entropy/reasoning"] > 0 and "rollout/void_turns" in row  # the tiny model rarely writes a tag
+    assert (row.get("control/selected_share_reasoning") is not None) == (method != "entropy_bonus")
     before, after = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
 

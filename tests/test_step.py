@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stare_agent.entropy_control import ControlSettings, EntropyControl
+from stare_agent.config import RLConfig
+from stare_agent.entropy_control import EntropyControl, EntropyControlConfig
 from stare_agent.stare import StareConfig, StareController
 from stare_agent.step import MicroBatch, control_step
 from stare_agent.theory import REGIMES
@@ -50,7 +51,7 @@ CONFIG = StareConfig(op="O1", top_ratio=0.2, w=1.5, target_entropy=5.0, gate="ba
 
 
 def stare(config: StareConfig) -> EntropyControl:
-    return EntropyControl(ControlSettings(method="stare", stare=config))
+    return EntropyControl(RLConfig(entropy_control=EntropyControlConfig("stare"), stare=config))
 
 
 def test_micro_batches_get_the_weights_of_the_whole_batch():

@@ -19,6 +19,11 @@ CURVES = {
     "rollout/accuracy": ("accuracy", "rollout accuracy"),
     "rollout/response_length": ("response_length", "response tokens per episode"),
     "rollout/tool_calls": ("tool_calls", "tool calls per episode"),
+    "rollout/void_turns": ("void_turns", "turns with neither code nor an answer, per episode"),
+    "entropy/reasoning": ("entropy_reasoning", "entropy of reasoning tokens (nats)"),
+    "entropy/code": ("entropy_code", "entropy of code tokens (nats)"),
+    "entropy/after_tool": ("entropy_after_tool", "entropy of the first tokens after a tool output (nats)"),
+    "entropy/answer": ("entropy_answer", "entropy of answer tokens (nats)"),
 }
 
 
@@ -57,7 +62,8 @@ def plot_runs(
     target_entropy: float | None = None,
     window: int = 5,
 ) -> list[Path]:
-    """One PNG per curve in CURVES (raw values faint, a running mean of `window` steps solid)."""
+    """One PNG per curve in CURVES that some run logged (raw values faint, a running mean of `window` steps
+    solid)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,6 +73,8 @@ def plot_runs(
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for key, (name, label) in CURVES.items():
+        if not any(row.get(key) is not None for rows in runs.values() for row in rows):
+            continue  # runs logged before this metric existed
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         for i, (run, rows) in enumerate(runs.items()):
             points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]

@@ -26,6 +26,8 @@ update's policy differ from the one that sampled, so the ratio would not be 1 on
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -56,10 +58,15 @@ from stare_agent.backends.local.generation import HFGenerator
 from stare_agent.batching import BatchFill, NoStepTrained, end_message, episode_stats
 from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
-from stare_agent.entropy_control import ControlSettings, EntropyControl, selection_loss_terms
+from stare_agent.entropy_control import (
+    SELECTED_TOKENS,
+    EntropyControl,
+    keep_reports_until,
+    selection_loss_terms,
+)
 from stare_agent.loss import entropy_bonus_loss, group_advantages, logprob_mismatch, policy_loss, ratio_stats
 from stare_agent.runtime import make_client
-from stare_agent.step import MicroBatch, UpdatePart, control_step, update_selection
+from stare_agent.step import CLASS_METRICS, MicroBatch, UpdatePart, class_masks, control_step, update_selection
 from stare_agent.theory import sampling_stats, token_entropy, token_logprobs
 
 
@@ -139,6 +146,16 @@ def pad_batch(results: Sequence[EpisodeResult], pad_id: int, device: torch.devic
     }
 
 
+def pad_classes(results: Sequence[EpisodeResult], tokenizer: Any, device: torch.device) -> torch.Tensor:
+    """(B, T-1) int8: protocol.token_classes of each episode's predicted tokens, aligned as pad_batch's action mask
+    (padding: PROMPT, outside every class metric)."""
+    width = max(len(r.token_ids) for r in results)
+    out = torch.full((len(results), width), protocol.PROMPT, dtype=torch.int8)
+    for row, r in enumerate(results):
+        out[row, : len(r.token_ids)] = torch.tensor(protocol.token_classes(tokenizer, r.token_ids, r.action_mask))
+    return out[:, 1:].to(device)
+
+
 @dataclass
 class UpdateBatch:
     """One update's inputs, all aligned to next-token targets (position t predicts ids[:, t+1]).
@@ -159,6 +176,7 @@ class UpdateBatch:
     advantages: torch.Tensor
     weights: torch.Tensor
     entropy_coef: float = 0.0
+    classes: torch.Tensor | None = None
 
     @property
     def surprisal(self) -> torch.Tensor:
@@ -183,7 +201,7 @@ class Trainer:
         self.mismatch_warned = False
         self.problems = self._load_problems()
         self.optimizer, self.scheduler = make_optimizer(self.model, config.optim, config.steps)
-        self.control = EntropyControl(ControlSettings.of(config))
+        self.control = EntropyControl(config)
         r = config.rollout
         self.generator = HFGenerator(
             self.model,
@@ -208,6 +226,7 @@ class Trainer:
     def open_log(self) -> MetricsLog:
         """Create the run directory with config.yaml, and the metrics log in it."""
         save_config(self.config, self.run_dir)
+        keep_reports_until(self.run_dir / SELECTED_TOKENS, self.step if self.checkpoint is not None else None)
         return MetricsLog(self.run_dir, resume_step=self.step if self.checkpoint is not None else None)
 
     def _load_problems(self) -> list[Problem]:
@@ -290,8 +309,9 @@ class Trainer:
         timings["time/stare"] = time.perf_counter() - started
 
         started = time.perf_counter()
+        batch.classes = pad_classes(results, self.tokenizer, self.device)
         (batch.weights,), step_metrics = control_step(
-            self.control, [MicroBatch(old_logprobs, advantages, mask, entropy, s2)]
+            self.control, [MicroBatch(old_logprobs, advantages, mask, entropy, s2, batch.classes, batch.ids[:, 1:])]
         )
         batch.entropy_coef = step_metrics.get("control/coef", 0.0) if self.control.method == "entropy_bonus" else 0.0
         timings["time/stare"] += time.perf_counter() - started
@@ -395,7 +415,13 @@ class Trainer:
                 eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high,
             )  # fmt: skip
             stats["loss"] = loss.detach()
-            stats["selected"] = (selected[sl] & mask[sl]).sum().float() if selected is not None else torch.zeros(())
+            if selected is not None:
+                stats["selected"] = (selected[sl] & mask[sl]).sum().float()
+                self.control.selected.add(batch.ids[index][:, 1:], selected[sl], mask[sl])
+                if batch.classes is not None:
+                    for name, members in class_masks(mask[sl], batch.classes[index].long()).items():
+                        stats[f"selected_{name}"] = (selected[sl] & members).sum().float()
+                        stats[f"tokens_{name}"] = members.sum().float()
             for key, value in stats.items():
                 sums[key] = (
                     torch.maximum(sums[key], value)
@@ -432,6 +458,11 @@ class Trainer:
         }
         if self.control.method in ("clip_cov", "kl_cov"):
             metrics["control/selected_share"] = totals["selected"] / tokens
+            for name in (*CLASS_METRICS, "after_tool"):
+                if f"tokens_{name}" in totals:
+                    members = totals[f"tokens_{name}"]
+                    share = totals[f"selected_{name}"] / members if members else math.nan
+                    metrics[f"control/selected_share_{name}"] = share
             metrics["control/weight_mean"] = (
                 1.0 - metrics["control/selected_share"] if self.control.method == "clip_cov" else 1.0
             )
@@ -452,6 +483,17 @@ class Trainer:
             }
         )
         return metrics
+
+    def report_selected_tokens(self) -> None:
+        """Every entropy_control.report_every steps, the tokens the method acted on most often since the last report,
+        as one line of `selected_tokens.jsonl` in the run folder."""
+        every = self.config.entropy_control.report_every
+        if every and self.step % every == 0 and self.control.method not in ("none", "entropy_bonus"):
+            line = self.control.selected.report(
+                self.step, self.control.method, self.tokenizer, self.config.entropy_control.report_top
+            )
+            with (self.run_dir / SELECTED_TOKENS).open("a") as out:
+                out.write(json.dumps(line) + "\n")
 
     async def train(self) -> Path:
         cfg = self.config
@@ -489,6 +531,7 @@ class Trainer:
                 metrics["time/step"] = time.perf_counter() - step_started
                 self.step += 1
                 log.write(self.step, metrics)
+                self.report_selected_tokens()
                 bar.update(1)
                 bar.set_postfix(
                     acc=f"{metrics['rollout/accuracy']:.2f}",

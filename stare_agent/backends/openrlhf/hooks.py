@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -48,7 +50,12 @@ from stare_agent.backends.openrlhf import updates, upstream
 from stare_agent.backends.openrlhf.episodes import config_from_env
 from stare_agent.batching import EPISODE_STATS, BatchFill
 from stare_agent.config import RLConfig, RolloutConfig
-from stare_agent.entropy_control import ControlSettings, EntropyControl
+from stare_agent.entropy_control import (
+    ADVANTAGE_METHODS,
+    SELECTED_TOKENS,
+    EntropyControl,
+    keep_reports_until,
+)
 from stare_agent.loss import logprob_mismatch
 from stare_agent.step import MicroBatch, control_step
 from stare_agent.theory import entropy_and_s2
@@ -143,9 +150,9 @@ class StarePolicyModelActor(ORIGINAL_ACTOR.__ray_actor_class__):
         s2 = s2[:, :-1][:, -width:] * mask
         return action_log_probs.to("cpu"), entropy.to("cpu"), s2.to("cpu")
 
-    def set_update_control(self, settings: ControlSettings, step: int, alpha: float) -> None:
+    def set_update_control(self, config: RLConfig, step: int, alpha: float) -> None:
         """The entropy-control state of the step about to be trained, from the experience maker (updates.py)."""
-        control = EntropyControl(settings)
+        control = EntropyControl(config)
         control.step = step
         self.update_control = updates.UpdateControl(control, alpha=alpha)
 
@@ -210,14 +217,15 @@ class StareExperienceMaker(_maker_module.RemoteExperienceMaker):
     def apply_control(self, experiences: list, stats: list[tuple[Tensor, Tensor]]) -> None:
         """Run the method once over the step's micro-batches; scale each `advantages` by its weights."""
         parts = [
-            MicroBatch(exp.action_log_probs, exp.advantages, exp.action_mask, entropy, s2)
+            MicroBatch(exp.action_log_probs, exp.advantages, exp.action_mask, entropy, s2,
+                       updates.experience_classes(self.tokenizer, exp), exp.sequences[:, 1:])
             for exp, (entropy, s2) in zip(experiences, stats, strict=True)
-        ]
+        ]  # fmt: skip
         weights, self.metrics = control_step(self.control, parts)
         alpha = self.metrics.get("control/coef", 0.0) if self.control.method == "entropy_bonus" else 0.0
         ray.get(
             self.actor_model_group.async_run_method(
-                method_name="set_update_control", settings=self.control.settings, step=self.control.step, alpha=alpha
+                method_name="set_update_control", config=self.control.config, step=self.control.step, alpha=alpha
             )
         )
         if not self.control.reweights:
@@ -379,7 +387,7 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         config = config_from_env()
-        self.use_control(EntropyControl(ControlSettings.of(config)))
+        self.use_control(EntropyControl(config))
         self.use_full_batches(config)
 
     def use_full_batches(self, config: RLConfig) -> None:
@@ -416,10 +424,25 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
     def train_step(self, rollout_samples: list, global_step: int) -> tuple[dict, int]:
         status, next_step = super().train_step(rollout_samples, global_step)
         status.update(self.experience_maker.pop_metrics())
+        status.update(class_shares_of(status))
+        self.report_selected_tokens(next_step)
         if hasattr(self, "samples_generator"):
             status.update(self.samples_generator.fill_metrics)
         self.steps_trained = next_step
         return status, next_step
+
+    def report_selected_tokens(self, step: int) -> None:
+        """Every entropy_control.report_every steps, the tokens the method acted on most often since the last report
+        (counted where the advantages are weighted: not for Clip-Cov and KL-Cov, whose selection is on the ranks),
+        as one line of `selected_tokens.jsonl` in the run folder (the parent of ckpt.path)."""
+        every, control = self.run_config.entropy_control.report_every, self.control
+        if not every or step % every or control.method not in ADVANTAGE_METHODS:
+            return
+        line = control.selected.report(
+            step, control.method, self.tokenizer, self.run_config.entropy_control.report_top
+        )
+        with (Path(self.args.ckpt.path).parent / SELECTED_TOKENS).open("a") as out:
+            out.write(json.dumps(line) + "\n")
 
     def save_logs_and_checkpoints(self, global_step: int, logs_dict: Any = None, client_states: Any = None) -> None:
         # In place: fit() hands the same dict to save_best_checkpoint afterwards.
@@ -429,12 +452,27 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
 
     def init_checkpoint_states(self) -> dict:
         states = super().init_checkpoint_states()
-        if CHECKPOINT_KEY in states:
+        resumed = CHECKPOINT_KEY in states
+        if resumed:
             self.control.load_state_dict(states[CHECKPOINT_KEY])
+        keep_reports_until(
+            Path(self.args.ckpt.path).parent / SELECTED_TOKENS, states["global_step"] if resumed else None
+        )
         self.steps_trained = states.get("global_step", 0)
         if hasattr(self, "samples_generator"):
             self.samples_generator.handed = self.steps_trained
         return states
+
+
+def class_shares_of(status: dict[str, Any]) -> dict[str, float]:
+    """control/selected_share_<name> from the `_selected_<name>` and `_tokens_<name>` token means the ranks logged
+    (updates.class_shares), which leave the status; {} when there are none."""
+    out = {}
+    for key in [k for k in status if k.startswith("_selected_")]:
+        name = key[len("_selected_") :]
+        selected, members = status.pop(key), status.pop(f"_tokens_{name}", 0.0)
+        out[f"control/selected_share_{name}"] = selected / members if members else math.nan
+    return out
 
 
 class _RememberedActorClass:

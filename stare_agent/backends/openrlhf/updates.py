@@ -22,16 +22,17 @@ it (the method, its settings, the step, the entropy bonus's alpha) reaches every
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from stare_agent import protocol
 from stare_agent.backends.openrlhf import upstream
-from stare_agent.entropy_control import UPDATE_METHODS, ControlSettings, EntropyControl, selection_loss_terms
+from stare_agent.entropy_control import UPDATE_METHODS, EntropyControl, selection_loss_terms
 from stare_agent.loss import ratio_stats, token_losses
-from stare_agent.step import UpdatePart, update_selection
+from stare_agent.step import UpdatePart, class_masks, update_selection
 
 _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
 _loss_utils = upstream.import_openrlhf("openrlhf.utils.loss_utils")
@@ -54,10 +55,6 @@ class UpdateControl:
     """Optimizer updates done in this step's fit (numbers Clip-Cov's draw)."""
     current: Any = None
     """The micro-batch (Experience) the training step is on."""
-    settings: ControlSettings = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.settings = self.control.settings
 
 
 _active: dict[str, Any] = {}
@@ -130,6 +127,30 @@ def _gather(strategy: Any, parts: list[UpdatePart]) -> tuple[list[UpdatePart], i
     return [p for rank_parts in everyone for p in rank_parts], sum(len(everyone[r]) for r in range(me))
 
 
+def experience_classes(tokenizer: Any, exp: Any) -> Tensor:
+    """(B, S - 1) int8 protocol.token_classes of a micro-batch's predicted tokens, aligned with its action mask
+    (right-padded sequences; padding is PROMPT, outside every class metric)."""
+    mask = exp.action_mask.cpu()
+    out = torch.full(mask.shape, protocol.PROMPT, dtype=torch.int8)
+    for row, (ids, attention) in enumerate(zip(exp.sequences.cpu(), exp.attention_mask.cpu(), strict=True)):
+        n = int(attention.sum())
+        sampled = [0, *mask[row, : n - 1].tolist()]
+        out[row, : n - 1] = torch.tensor(protocol.token_classes(tokenizer, ids[:n].tolist(), sampled)[1:])
+    return out
+
+
+def class_shares(selected: Tensor, mask: Tensor, classes: Tensor) -> dict[str, Tensor]:
+    """For one micro-batch: `_selected_<name>` (the selected tokens of each class_masks set) and `_tokens_<name>`
+    (the set's tokens), both over the micro-batch's action tokens. OpenRLHF averages info over tokens, so the
+    step's means are the sums' ratios to all action tokens; StarePPOTrainer divides one by the other."""
+    tokens = mask.sum().clamp_min(1)
+    out = {}
+    for name, members in class_masks(mask, classes.long()).items():
+        out[f"_selected_{name}"] = ((selected & members).sum() / tokens).float()
+        out[f"_tokens_{name}"] = (members.sum() / tokens).float()
+    return out
+
+
 class MethodLoss:
     """A rank's `actor_loss_fn`: the method's loss where it changes the loss at the update, OpenRLHF's PolicyLoss
     otherwise; the update's ratio statistics go into the micro-batch's info either way. Called as PolicyLoss is."""
@@ -149,13 +170,13 @@ class MethodLoss:
         global_batch_size: Any = None,
     ) -> tuple:
         state: UpdateControl = self.rank.update_control
-        exp, settings = state.current, state.settings
+        exp, config = state.current, state.control.config
         method = state.control.method
         if method in UPDATE_METHODS:
             selected = getattr(exp, SELECTED)
             loss, clipped = token_losses(
-                log_probs, old_log_probs, advantages, eps_low=settings.eps_low, eps_high=settings.eps_high,
-                dual_clip=self.original.dual_clip, **selection_loss_terms(method, selected, settings.kl_cov.coef),
+                log_probs, old_log_probs, advantages, eps_low=config.loss.eps_low, eps_high=config.loss.eps_high,
+                dual_clip=self.original.dual_clip, **selection_loss_terms(method, selected, config.kl_cov.coef),
             )  # fmt: skip
             total = _loss_module().aggregate_loss(
                 loss, action_mask, token_level_loss=True, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
@@ -167,6 +188,9 @@ class MethodLoss:
             ppo_kl = (-(log_probs - old_log_probs).detach()).masked_fill(~mask, 0).sum() / tokens
             share = ((selected & mask).sum() / tokens).float()
             exp.info["control/selected_share"] = share
+            tokenizer = getattr(self.rank.trainer, "tokenizer", None)
+            if tokenizer is not None:
+                exp.info.update(class_shares(selected, mask, experience_classes(tokenizer, exp).to(mask.device)))
             exp.info["control/weight_mean"] = 1.0 - share if method == "clip_cov" else torch.ones(())
             out = (total, clip_ratio.float(), ppo_kl, None, None)
         else:
@@ -175,8 +199,8 @@ class MethodLoss:
                 dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
             )  # fmt: skip
         stats = ratio_stats(
-            log_probs.detach(), old_log_probs, advantages, action_mask, eps_low=settings.eps_low,
-            eps_high=settings.eps_high,
+            log_probs.detach(), old_log_probs, advantages, action_mask, eps_low=config.loss.eps_low,
+            eps_high=config.loss.eps_high,
         )  # fmt: skip
         tokens = stats["tokens"].clamp_min(1)
         exp.info["clip_frac_high"] = stats["clip_high"] / tokens
