@@ -35,6 +35,8 @@ ADVANTAGE_METHODS: frozenset[str] = frozenset({"stare", "low_prob_reweight", "fo
 """Methods that scale each token's advantage once per rollout batch (from the sampling policy)."""
 UPDATE_METHODS: frozenset[str] = frozenset({"clip_cov", "kl_cov"})
 """Methods that select tokens at every update from the current policy."""
+SELECTING_METHODS: frozenset[str] = ADVANTAGE_METHODS | UPDATE_METHODS
+"""Methods that act on chosen tokens (the ones selected_tokens.jsonl reports on)."""
 
 
 @dataclass

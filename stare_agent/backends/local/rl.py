@@ -60,6 +60,7 @@ from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
 from stare_agent.entropy_control import (
     SELECTED_TOKENS,
+    SELECTING_METHODS,
     EntropyControl,
     keep_reports_until,
     selection_loss_terms,
@@ -488,7 +489,7 @@ class Trainer:
         """Every entropy_control.report_every steps, the tokens the method acted on most often since the last report,
         as one line of `selected_tokens.jsonl` in the run folder."""
         every = self.config.entropy_control.report_every
-        if every and self.step % every == 0 and self.control.method not in ("none", "entropy_bonus"):
+        if every and self.step % every == 0 and self.control.method in SELECTING_METHODS:
             line = self.control.selected.report(
                 self.step, self.control.method, self.tokenizer, self.config.entropy_control.report_top
             )
