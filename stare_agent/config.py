@@ -253,6 +253,10 @@ class RolloutConfig:
     its batch by then ends the run cleanly after the steps it trained: a partial batch is never trained."""
     max_sandbox_failure_fraction: float = 0.5
     """A step in which more than this share of the groups failed in the sandbox stops the run with an error."""
+    audit_masks: bool = True
+    """Check every trained sample's action mask against its ids each step (stare_agent/audit.py), as the trainer
+    receives it (in openrlhf after its shift and max_len cut); a mismatch stops the run naming the sample, the
+    position and the token. Its cost is measured in docs/benchmarks.md."""
 
     REPLACED_KEYS: ClassVar[dict[str, str]] = {
         "max_refill_rounds": "a step now refills until its batch is full; rollout.max_prompts_per_step bounds the "

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from forced import chains_to_successors  # tests/forced.py
 from transformers import AutoModelForCausalLM
 
 from stare_agent.backends.local.generation import HFGenerator, nucleus_filter
@@ -66,15 +67,6 @@ class ForcedLM(torch.nn.Module):
                 logits[row, -1] = -1e4
                 logits[row, -1, self.successors[last]] = 0.0
         return SimpleNamespace(logits=logits)
-
-
-def chains_to_successors(chains: list[list[int]]) -> dict[int, int]:
-    successors = {}
-    for chain in chains:
-        for current, following in zip(chain, chain[1:], strict=False):
-            assert successors.get(current, following) == following, "chains must not disagree on a successor"
-            successors[current] = following
-    return successors
 
 
 def single_id(tokenizer, text: str) -> int:

@@ -92,6 +92,18 @@ def test_trained_targets_equal_the_local_backends(tiny_tokenizer, max_tokens):
     assert torch.equal(orl_mask[:, :-1], local_mask[:, 1:])
 
 
+def test_with_qwens_tokenizer_both_backends_train_the_same_targets(qwen_tokenizer):
+    """The paper's real tokenizer (conftest.py): every trained target of OpenRLHF's dataset is the local one's,
+    and none of them lies in the prompt or an interpreter block (test_qwen.py checks the local mask itself)."""
+    examples, _ = load_sft(SAMPLE, qwen_tokenizer, max_tokens=8192)
+    dataset = make_dataset(qwen_tokenizer, 8192)
+    targets = trained_targets_openrlhf(dataset)
+    assert targets == trained_targets_local(examples) and len(targets) > 1000
+    for row, example in enumerate(examples):
+        ids, _, loss_mask = dataset[row]
+        assert ids[0].tolist() == example.input_ids and loss_mask[0, :-1].tolist() == example.loss_mask[1:]
+
+
 @pytest.mark.parametrize(
     ("max_tokens", "truncation", "cut", "dropped"),
     [(420, "right", True, True), (600, "right", True, False), (600, "drop", False, True)],

@@ -6,9 +6,10 @@ agent_func_path, builds it with no arguments (the config comes from $STARE_AGENT
 environment) and builds vllm.AsyncLLMEngine; OpenRLHF's SamplesGenerator then calls it through Ray exactly as in
 training (generate_responses, by keyword, with its own SamplingParams) and turns the dicts into Experiences.
 
-The model is the forced copy of the tiny Qwen2 (test_vllm_generation.write_forced_model): after the prompt's last
-id it writes a tool call whose last id holds `</code>` and a newline, and after the observation (which ends with
-that same id) the answer and EOS. So every id vLLM returns is known in advance, and the checks are exact.
+The model is the tiny Qwen model with Qwen's real tokenizer and Qwen2.5-7B's 152,064 logits, forced to write a script
+(tests/forced.py: qwen_script): after the prompt's last id a tool call whose stop string starts inside `)</` and ends
+inside `>ĊĊ`, and after the observation the answer, whose stop string ends inside `>.`. So every id vLLM returns is
+known in advance, and the checks are exact, on the paper's vocabulary and chat template.
 
 The sandbox is a real `python -m stare_sandbox serve` (sandbox.url): the failure test stops it, a real infrastructure
 failure in the middle of a run. Tests that need another agent config (turn cap, tool limit) set it on the
@@ -30,7 +31,6 @@ pytest.importorskip("openrlhf")
 ray = pytest.importorskip("ray")
 
 from procs import sandbox_service, stop_service  # noqa: E402
-from test_vllm_generation import chains_to_successors, write_forced_model  # noqa: E402
 
 from stare_agent import protocol  # noqa: E402
 from stare_agent.backends.openrlhf import upstream  # noqa: E402
@@ -39,10 +39,8 @@ from stare_agent.config import AgentConfig, RLConfig, RolloutConfig, SandboxConf
 
 REPO = Path(__file__).resolve().parents[1]
 AGENT_FILE = REPO / "stare_agent/backends/openrlhf/agent_executor.py"
-PROBLEM = "What is 6 times 7?"
-OTHER = "What is 7 times 6?"
-CALL = "<code>print(6*7)\n</code>\n"
-ANSWER = "\\boxed{42}"
+PROBLEM = "What is 7 times 3?"
+OTHER = "What is 3 times 7?"
 
 
 def make_config(url: str, max_turn_tokens: int = 64, **agent) -> RLConfig:
@@ -55,26 +53,12 @@ def make_config(url: str, max_turn_tokens: int = 64, **agent) -> RLConfig:
 
 
 @pytest.fixture(scope="module")
-def script(tiny_tokenizer):
-    tok = tiny_tokenizer
+def script(qwen_tokenizer, qwen_script):  # conftest.py
+    tok = qwen_tokenizer
     prompt = protocol.encode_prompt(tok, protocol.prompt_messages(PROBLEM, None))
     other = protocol.encode_prompt(tok, protocol.prompt_messages(OTHER, None))
-    call = protocol.encode_segment(tok, CALL)
-    observation = protocol.encode_segment(tok, protocol.observation("42"))
-    answer = protocol.encode_segment(tok, ANSWER)
-    # the stop string ends inside the call's last id, and the observation ends with that same id
-    assert protocol.CODE_CLOSE not in tok.decode(call[:-1]) and tok.decode(call[-1:]) == ">\n"
-    assert observation[-1] == call[-1] and other[-1] == prompt[-1]
-    chain = [prompt[-1], *call, *answer, tok.eos_token_id]
-    return NS(
-        prompt=prompt,
-        other=other,
-        call=call,
-        observation=observation,
-        answer=answer,
-        eos=tok.eos_token_id,
-        successors=chains_to_successors([chain]),
-    )
+    assert other[-1] == prompt[-1] == qwen_script["start"]  # the chat template's "assistant\n"
+    return NS(prompt=prompt, other=other, **{k: qwen_script[k] for k in ("call", "observation", "answer")})
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +77,9 @@ def sandbox_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def actor(orl, script, tiny_model_dir, tmp_path_factory, sandbox_url):
+def actor(orl, forced_qwen_dir, sandbox_url):
     """OpenRLHF's RolloutRayActor with our executor and a vLLM engine on the forced model, on a local Ray."""
-    model = write_forced_model(tiny_model_dir, tmp_path_factory.mktemp("forced_model"), script.successors)
+    model = forced_qwen_dir
     env = {
         **config_env(make_config(sandbox_url.url)),
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -126,7 +110,7 @@ def actor(orl, script, tiny_model_dir, tmp_path_factory, sandbox_url):
             num_gpus=0,
             agent_func_path=str(AGENT_FILE),
         )
-        assert ray.get(handle.get_num_unfinished_requests.remote(), timeout=300) == 0  # the engine is up
+        assert ray.get(handle.get_num_unfinished_requests.remote(), timeout=600) == 0  # the engine is up
         yield handle
     finally:
         ray.shutdown()
@@ -154,7 +138,7 @@ def openrlhf_args(n: int, is_correction_level: str = "off", dynamic_filtering: b
     )
 
 
-def dispatch(orl, actor, tokenizer, *, label="42", n=1, max_len=512, is_correction_level="off"):
+def dispatch(orl, actor, tokenizer, *, label="21", n=1, max_len=512, is_correction_level="off"):
     """One prompt's group through OpenRLHF's own dispatch (its SamplingParams), then its Experience code."""
     generator = orl.samples.SamplesGenerator(
         NS(args=openrlhf_args(n, is_correction_level)), None, None, tokenizer, [actor]
@@ -175,24 +159,24 @@ def action_mask_of(response) -> list[int]:
 # --- the episodes ---------------------------------------------------------------------------------------------------
 
 
-def test_training_samples_from_the_real_engine(orl, actor, tiny_tokenizer, script, sandbox_url):
+def test_training_samples_from_the_real_engine(orl, actor, qwen_tokenizer, script, sandbox_url):
     """OpenRLHF's SamplesGenerator with the real actor: every turn stops at its stop string (kept, inside the
     last id), the ids are those vLLM sampled, the tool output is outside the action mask, answers are scored."""
     set_config(actor, make_config(sandbox_url.url))
-    loader = [("d", [PROBLEM, OTHER], ["42", "41"], [None, None])]
-    generator = orl.samples.SamplesGenerator(NS(args=openrlhf_args(n=2)), loader, None, tiny_tokenizer, [actor])
+    loader = [("d", [PROBLEM, OTHER], ["21", "20"], [None, None])]
+    generator = orl.samples.SamplesGenerator(NS(args=openrlhf_args(n=2)), loader, None, qwen_tokenizer, [actor])
     samples, pass_rate, consumed, _ = generator.generate_samples(
         temperature=1.0, top_p=1.0, max_new_tokens=1024, max_len=512, n_samples_per_prompt=2
     )
     assert consumed == 2 and len(samples) == 4  # both groups kept (pass_rate counts samples per prompt: 200)
     by_prompt = sorted(samples, key=lambda s: s.prompts[0] != PROBLEM)
     assert [s.prompts[0] for s in by_prompt] == [PROBLEM, PROBLEM, OTHER, OTHER]
-    assert [s.rewards.item() for s in by_prompt] == [1.0, 1.0, 0.0, 0.0]  # the gold answers are 42 and 41
+    assert [s.rewards.item() for s in by_prompt] == [1.0, 1.0, 0.0, 0.0]  # the gold answers are 21 and 20
 
-    turn_2 = [*script.answer, script.eos]
+    turn_2 = script.answer  # ended by its stop string, inside its last id
     for sample in by_prompt:
         prompt = script.prompt if sample.prompts[0] == PROBLEM else script.other
-        # the call's last id (">\n") holds the end of `</code>` and a newline: kept whole, as sampled
+        # the call's last id (">\n\n") holds the end of `</code>` and two newlines: kept whole, as sampled
         expected = prompt + script.call + script.observation + turn_2
         assert sample.sequences[0].tolist() == expected
         # OpenRLHF's action mask is shifted by one (position t predicts id t+1): the call, not the tool output,
@@ -206,13 +190,13 @@ def test_training_samples_from_the_real_engine(orl, actor, tiny_tokenizer, scrip
         # the engine's log-probs of the sampled ids, asked for every turn (the forced model's are ~0), one per position
         assert sample.rollout_log_probs.shape == sample.action_mask.shape
         assert sample.rollout_log_probs[0].tolist() == pytest.approx([0.0] * sample.action_mask.shape[1], abs=1e-3)
-    assert tiny_tokenizer.decode(script.call).endswith(protocol.CODE_CLOSE + "\n")
+    assert qwen_tokenizer.decode(script.call).endswith(protocol.CODE_CLOSE + "\n\n")
 
 
-def test_rollout_log_probs_of_the_sampled_ids(orl, actor, tiny_tokenizer, script, sandbox_url):
+def test_rollout_log_probs_of_the_sampled_ids(orl, actor, qwen_tokenizer, script, sandbox_url):
     """With OpenRLHF's is-correction on, vLLM's log-probs of the sampled ids (forced: ~0) come back per id."""
     set_config(actor, make_config(sandbox_url.url))
-    (response,), (experience,) = dispatch(orl, actor, tiny_tokenizer, is_correction_level="token")
+    (response,), (experience,) = dispatch(orl, actor, qwen_tokenizer, is_correction_level="token")
     logprobs, mask = response["rollout_log_probs"], action_mask_of(response)
     assert len(logprobs) == len(response["observation_tokens"]) == len(experience.sequences[0])
     assert [lp for lp, m in zip(logprobs, mask, strict=True) if m] == pytest.approx([0.0] * sum(mask), abs=1e-3)
@@ -220,9 +204,9 @@ def test_rollout_log_probs_of_the_sampled_ids(orl, actor, tiny_tokenizer, script
     assert experience.rollout_log_probs[0].tolist() == pytest.approx(logprobs[1:])
 
 
-def test_the_turn_cap_cuts_the_first_turn(orl, actor, tiny_tokenizer, script, sandbox_url):
+def test_the_turn_cap_cuts_the_first_turn(orl, actor, qwen_tokenizer, script, sandbox_url):
     set_config(actor, make_config(sandbox_url.url, max_turn_tokens=4))
-    (response,), (experience,) = dispatch(orl, actor, tiny_tokenizer)
+    (response,), (experience,) = dispatch(orl, actor, qwen_tokenizer)
     p = len(script.prompt)
     assert response["observation_tokens"] == script.prompt + script.call[:4]
     assert response["action_ranges"] == [(p, p + 4)]
@@ -232,40 +216,40 @@ def test_the_turn_cap_cuts_the_first_turn(orl, actor, tiny_tokenizer, script, sa
 
 
 @pytest.mark.parametrize("limit", ["agent", "openrlhf"])
-def test_the_episode_budget_cuts_the_answer(orl, actor, tiny_tokenizer, script, sandbox_url, limit):
+def test_the_episode_budget_cuts_the_answer(orl, actor, qwen_tokenizer, script, sandbox_url, limit):
     """agent.max_total_tokens, or OpenRLHF's max_len when smaller: the answer turn gets what is left (3 ids)."""
     budget = len(script.prompt) + len(script.call) + len(script.observation) + 3
     set_config(actor, make_config(sandbox_url.url, max_total_tokens=budget if limit == "agent" else 512))
-    (response,), (experience,) = dispatch(orl, actor, tiny_tokenizer, max_len=budget if limit == "openrlhf" else 512)
+    (response,), (experience,) = dispatch(orl, actor, qwen_tokenizer, max_len=budget if limit == "openrlhf" else 512)
     expected = script.prompt + script.call + script.observation + script.answer[:3]
     assert response["observation_tokens"] == expected and len(expected) == budget
     assert response["truncated"] is True and response["extra_logs"]["finish_length"] == 1
     assert response["extra_logs"]["tool_calls"] == 1 and experience.sequences[0].tolist() == expected
 
 
-def test_the_tool_call_limit_ends_the_episode_before_running_the_call(orl, actor, tiny_tokenizer, script, sandbox_url):
+def test_the_tool_call_limit_ends_the_episode_before_running_the_call(orl, actor, qwen_tokenizer, script, sandbox_url):
     set_config(actor, make_config(sandbox_url.url, max_tool_calls=0))
-    (response,), _ = dispatch(orl, actor, tiny_tokenizer)
+    (response,), _ = dispatch(orl, actor, qwen_tokenizer)
     assert response["observation_tokens"] == script.prompt + script.call  # sampled, never run, nothing after it
     logs = response["extra_logs"]
     assert logs["finish_tool_limit"] == 1 and logs["tool_calls"] == 0 and logs["tool_seconds"] == 0
     assert response["scores"] == 0.0 and response["truncated"] is False
 
 
-def test_zz_a_sandbox_failure_drops_the_group(orl, actor, tiny_tokenizer, script, sandbox_url):
+def test_zz_a_sandbox_failure_drops_the_group(orl, actor, qwen_tokenizer, script, sandbox_url):
     """The sandbox service goes away mid-run (last test: it stays down): each episode ends at its tool call with
     a NaN score, and OpenRLHF's dynamic filtering drops the groups instead of training on zero rewards."""
     set_config(actor, make_config(sandbox_url.url))
-    dispatch(orl, actor, tiny_tokenizer)  # the executor's client is connected before the service stops
+    dispatch(orl, actor, qwen_tokenizer)  # the executor's client is connected before the service stops
     stop_service(sandbox_url.proc)
 
-    (response,), (experience,) = dispatch(orl, actor, tiny_tokenizer)
+    (response,), (experience,) = dispatch(orl, actor, qwen_tokenizer)
     assert math.isnan(response["scores"]) and math.isnan(experience.scores.item()) and response["reward"] == 0.0
     assert response["extra_logs"]["finish_sandbox_error"] == 1 and response["truncated"] is False
     assert response["observation_tokens"] == script.prompt + script.call  # ended at the failed call
 
-    loader = [("d", [PROBLEM, OTHER], ["42", "41"], [None, None])]
-    generator = orl.samples.SamplesGenerator(NS(args=openrlhf_args(n=2)), loader, None, tiny_tokenizer, [actor])
+    loader = [("d", [PROBLEM, OTHER], ["21", "20"], [None, None])]
+    generator = orl.samples.SamplesGenerator(NS(args=openrlhf_args(n=2)), loader, None, qwen_tokenizer, [actor])
     samples, pass_rate, consumed, _ = generator.generate_samples(
         temperature=1.0, top_p=1.0, max_new_tokens=1024, max_len=512, n_samples_per_prompt=2
     )

@@ -119,9 +119,12 @@ def test_rl_resume_is_exact(tmp_path, tiny_model_dir, prompts, varied_reward):
     assert state["stare"]["step"] == 3 and state["cursor"] > 0
 
 
-def own_episodes(model, *, temperature=1.0, offset=0.0, groups=2, group_size=4, seed=0):
-    """Hand-made groups (prompt, a turn, an observation, a turn) whose rollout log-probs are the model's own
-    under softmax(logits / temperature), shifted by `offset`; rewards alternate 0, 1 within each group."""
+def own_episodes(trainer, *, temperature=1.0, offset=0.0, groups=2, group_size=4, seed=0):
+    """Hand-made groups (prompt, a turn, an observation, a turn) whose rollout log-probs are the trainer's model's
+    own under softmax(logits / temperature), shifted by `offset`; rewards alternate 0, 1 within each group. Their
+    random ids are no protocol episode, so the trainer's mask audit is turned off (test_audit.py tests it)."""
+    trainer.config.rollout.audit_masks = False
+    model = trainer.model
     gen = torch.Generator().manual_seed(seed)
     out = []
     for g in range(groups):
@@ -156,7 +159,7 @@ def test_update_aligns_targets_and_applies_stare(tmp_path, tiny_model_dir, promp
     """Old log-probs match the rollout's token for token (a shifted alignment would not); STARE's weights reach
     the metrics; the full update runs and reports the regime."""
     trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "update", "steps=1"))
-    groups = own_episodes(trainer.model)
+    groups = own_episodes(trainer)
     metrics = trainer.update(groups)
     assert metrics["train/rollout_logprob_abs_diff"] < 1e-5
     assert metrics["train/action_tokens"] == sum(sum(e.action_mask[1:]) for g in groups for e in g)
@@ -171,7 +174,7 @@ def test_stare_weights_reach_the_gradient(tmp_path, tiny_model_dir, prompts):
     """The weighted update's gradient equals the unweighted one on advantages scaled by omega, and differs from
     the plain unweighted gradient."""
     trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "weights", "steps=1"))
-    batch, _ = trainer.prepare(own_episodes(trainer.model))
+    batch, _ = trainer.prepare(own_episodes(trainer))
     assert (batch.weights != 1).any() and (batch.weights[~batch.action_mask] == 1).all()
     ones = torch.ones_like(batch.weights)
     weighted, _ = gradient(trainer, batch)
@@ -186,7 +189,7 @@ def test_surprisal_ranking_picks_the_least_likely_sampled_tokens(tmp_path, tiny_
     """With O1, the reweighted tokens are exactly the ceil(P |T+|) positive-advantage tokens with the lowest
     log-prob of the sampled token (computed here from the rollout, independently of the trainer)."""
     trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "rank", "steps=1", "stare.top_ratio=0.25"))
-    groups = own_episodes(trainer.model)
+    groups = own_episodes(trainer)
     batch, _ = trainer.prepare(groups)
     candidates = []  # (rollout log-prob, row, position) of every action token with A > 0
     for row, episode in enumerate(e for group in groups for e in group):
@@ -203,7 +206,7 @@ def test_surprisal_ranking_picks_the_least_likely_sampled_tokens(tmp_path, tiny_
 def test_token_mean_is_over_the_whole_batch(tmp_path, tiny_model_dir, prompts):
     """Loss and gradient are the same for micro-batches of 1 sequence and of the whole batch."""
     trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "mean", "steps=1"))
-    batch, _ = trainer.prepare(own_episodes(trainer.model))
+    batch, _ = trainer.prepare(own_episodes(trainer))
     batch = dataclasses.replace(batch, old_logprobs=batch.old_logprobs - 0.1)  # ratios != 1: a non-trivial loss
     results = {}
     for micro in (1, 3, 64):
@@ -237,7 +240,7 @@ def test_update_is_the_clip_higher_surrogate_by_hand(tmp_path, tiny_model_dir, p
     trainer = rl.Trainer(
         config(tmp_path, tiny_model_dir, prompts, "clip", "steps=1", "rollout.temperature=0.7", "stare.top_ratio=0.3")
     )
-    batch, _ = trainer.prepare(own_episodes(trainer.model, temperature=0.7))
+    batch, _ = trainer.prepare(own_episodes(trainer, temperature=0.7))
     ratios = torch.tensor([1.25, 0.75, 1.1, 0.9, 1.35, 0.7])
     flat = torch.arange(batch.old_logprobs.numel()).view_as(batch.old_logprobs) % len(ratios)
     batch = dataclasses.replace(batch, old_logprobs=batch.old_logprobs - torch.log(ratios[flat]))
@@ -258,7 +261,7 @@ def test_update_is_the_clip_higher_surrogate_by_hand(tmp_path, tiny_model_dir, p
 
 def test_advantages_are_normalized_within_each_group(tmp_path, tiny_model_dir, prompts):
     trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "adv", "steps=1"))
-    groups = own_episodes(trainer.model, group_size=4)
+    groups = own_episodes(trainer, group_size=4)
     groups[1][0].reward = 1.0  # rewards 1 1 0 1 in the second group
     batch, _ = trainer.prepare(groups)
     expected = []
@@ -280,10 +283,10 @@ def test_rl_at_temperature_scores_the_sampled_distribution(tmp_path, tiny_model_
 
 def test_a_rollout_trainer_mismatch_warns_once(tmp_path, tiny_model_dir, prompts, capsys):
     trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "mismatch", "steps=1"))
-    _, metrics = trainer.prepare(own_episodes(trainer.model))
+    _, metrics = trainer.prepare(own_episodes(trainer))
     assert "warning" not in capsys.readouterr().err and metrics["train/rollout_logprob_abs_diff"] < 1e-5
     for _ in range(2):
-        _, metrics = trainer.prepare(own_episodes(trainer.model, offset=-0.3))
+        _, metrics = trainer.prepare(own_episodes(trainer, offset=-0.3))
         assert metrics["train/rollout_logprob_abs_diff"] == pytest.approx(0.3, abs=1e-4)
     err = capsys.readouterr().err
     assert err.count("rl: warning") == 1 and "0.3 nats on average" in err and "top-k/top-p" in err
@@ -298,7 +301,7 @@ def test_rl_runs_without_dropout_so_the_update_is_on_policy(tmp_path, tiny_model
     (model_dir / "config.json").write_text(json.dumps(settings))
     trainer = rl.Trainer(config(tmp_path, model_dir, prompts, "dropout", "steps=1", f"model.path={model_dir}"))
     assert "dropout is off for RL" in capsys.readouterr().out
-    metrics = trainer.update(own_episodes(trainer.model))
+    metrics = trainer.update(own_episodes(trainer))
     assert metrics["train/ratio_abs_dev_max"] < 1e-5 and metrics["train/clip_frac"] == 0.0
 
 
@@ -536,7 +539,7 @@ def test_loss_time_methods_are_their_token_loop_on_the_model(tmp_path, tiny_mode
         config(tmp_path, tiny_model_dir, prompts, "m", "steps=1", f"entropy_control.method={method}",
                "clip_cov.ratio=0.2", "clip_cov.lb=-100", "clip_cov.ub=100", "kl_cov.ratio=0.2", "kl_cov.coef=3")
     )  # fmt: skip
-    batch, _ = trainer.prepare(own_episodes(trainer.model))
+    batch, _ = trainer.prepare(own_episodes(trainer))
     shift = torch.linspace(-0.3, 0.3, batch.old_logprobs.numel()).view_as(batch.old_logprobs)
     batch = dataclasses.replace(
         batch, old_logprobs=batch.old_logprobs + shift, entropy_coef=0.5 * (method == "entropy_bonus")
@@ -567,3 +570,32 @@ def test_loss_time_methods_are_their_token_loop_on_the_model(tmp_path, tiny_mode
 def test_updates_per_batch_must_split_the_batch_evenly(tmp_path, tiny_model_dir, prompts):
     with pytest.raises(ConfigError, match="updates_per_batch=5 must divide the batch's 12 episodes"):
         config(tmp_path, tiny_model_dir, prompts, "u", "optim.updates_per_batch=5")
+
+
+@pytest.mark.parametrize("audit", [True, False])
+def test_an_unshifted_mask_stops_the_run_naming_the_sample(
+    tmp_path, tiny_model_dir, prompts, monkeypatch, capsys, audit
+):
+    """rollout.audit_masks checks what the update receives: a batch whose action mask was not shifted to the
+    predicting position (an off-by-one in padding) stops the run (exit 5) before it trains on it."""
+    from stare_agent import cli
+
+    original = rl.pad_batch
+
+    def unshifted(results, pad_id, device):
+        out = original(results, pad_id, device)
+        full = torch.zeros_like(out["action_mask"][:, :1])
+        out["action_mask"] = torch.cat([full, out["action_mask"][:, :-1]], dim=1)  # mask[:, :-1] for mask[:, 1:]
+        return out
+
+    monkeypatch.setattr(rl, "pad_batch", unshifted)
+    scripted_rl(monkeypatch, prompts, kinds=("varied",))
+    overrides = config_overrides(tmp_path, tiny_model_dir, prompts, "audit", "steps=1", f"rollout.audit_masks={audit}")
+    code = cli.main(["rl", *overrides])
+    err = capsys.readouterr().err.strip().splitlines()
+    if audit:
+        assert code == 5 and not (tmp_path / "audit" / "checkpoints" / "step-000001").exists()
+        assert err[-1].startswith("stare-agent rl: mask audit (rollout.audit_masks): rl step 1, sample 0 (problem ")
+        assert "position" in err[-1] and "token" in err[-1]
+    else:  # without the audit the off-by-one trains silently
+        assert code == 0 and (tmp_path / "audit" / "checkpoints" / "step-000001").exists()

@@ -18,7 +18,8 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from forced import QWEN_ANSWER, QWEN_CALL, Recording, chains_to_successors, write_forced_model  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from stare_agent import protocol  # noqa: E402
 from stare_agent.agent import AgentConfig, run_batch  # noqa: E402
@@ -77,43 +78,6 @@ def prompts(tiny_tokenizer):
     ids = [encode_segment(tiny_tokenizer, text) for text in TEXTS]
     assert len({len(p) for p in ids}) == len(ids)
     return ids
-
-
-def chains_to_successors(chains: list[list[int]]) -> dict[int, int]:
-    successors = {}
-    for chain in chains:
-        for current, following in zip(chain, chain[1:], strict=False):
-            assert successors.get(current, following) == following, "chains must not disagree on a successor"
-            successors[current] = following
-    return successors
-
-
-def write_forced_model(source, target, successors: dict[int, int], reserved: int = 32):
-    """A copy of the model in `source` whose next id after any key of `successors` is its value (probability ~1).
-
-    The first `reserved` hidden dimensions are cleared in every embedding and never written by a layer (their rows
-    of o_proj and down_proj are zero), so there the residual stream holds only the current id's embedding. Each
-    forced id gets its own such dimension, and an untied lm_head reads it into a large logit for its successor;
-    every other id behaves as in the random model.
-    """
-    assert len(successors) <= reserved
-    model = AutoModelForCausalLM.from_pretrained(source)
-    with torch.no_grad():
-        embed = model.model.embed_tokens.weight
-        head = embed.detach().clone()
-        embed[:, :reserved] = 0
-        head[:, :reserved] = 0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[:reserved] = 0
-            layer.mlp.down_proj.weight[:reserved] = 0
-        for dim, (token, following) in enumerate(sorted(successors.items())):
-            embed[token, dim] = 1.0
-            head[following, dim] = 20.0
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(head)
-    model.save_pretrained(target)
-    AutoTokenizer.from_pretrained(source).save_pretrained(target)
-    return target
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +280,36 @@ def test_run_batch_episodes_with_a_tool_call(forced_engine, tiny_tokenizer, scri
         assert result.action_mask == [0] * result.prompt_len + sampled
         assert result.logprobs == pytest.approx([0.0] * len(expected), abs=1e-4)
     assert generator.stats.generated_tokens == 2 * (len(script["call"]) + len(script["answer"]) + 1)
+
+
+# --- the real vocabulary ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def forced_qwen_engine(forced_qwen_dir):  # conftest.py: the tiny Qwen model forced to write tests/forced.py's script
+    llm = start(forced_qwen_dir)
+    yield llm
+    stop(llm)
+
+
+def test_a_qwen_episode_keeps_every_segment_exact(forced_qwen_engine, qwen_tokenizer, qwen_script):
+    """The local backend's vLLM generator on Qwen's tokenizer and 152,064 logits: stop strings that start inside
+    `)</` and end inside `>ĊĊ` and `>.` keep the sampled ids whole, the observation's ids (tokenized alone) are
+    what the next call conditions on, and the episode is the concatenation of its segments (test_qwen.py runs
+    the same episode through the Hugging Face generator)."""
+    tok, s = qwen_tokenizer, qwen_script
+    problem = Problem(id="p", problem="What is 7 times 3?", answer="21", source="test")
+    prompt = protocol.encode_prompt(tok, protocol.prompt_messages(problem.problem))
+    generator = Recording(VLLMGenerator("", seed=0, max_turn_tokens=40, llm=forced_qwen_engine))
+
+    async def body():
+        async with InProcessClient(PoolSettings(pool_size=1, max_kernels=2)) as client:
+            return await run_batch([problem], tokenizer=tok, generate_batch=generator, client=client)
+
+    (episode,) = asyncio.run(body())
+    assert episode.token_ids == prompt + s["call"] + s["observation"] + s["answer"]
+    sampled = [1] * len(s["call"]) + [0] * len(s["observation"]) + [1] * len(s["answer"])
+    assert episode.action_mask == [0] * len(prompt) + sampled
+    assert generator.inputs == [[prompt], [prompt + s["call"] + s["observation"]]]
+    assert [t.text for t in episode.turns] == [QWEN_CALL, QWEN_ANSWER] and episode.turns[0].output == "21"
+    assert episode.finish_reason == "answer" and episode.reward == 1.0

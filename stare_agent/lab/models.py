@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from stare_agent.qwen import random_qwen2
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN, IM_START, EOS_TOKEN = SPECIAL_TOKENS
@@ -32,8 +33,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-MIN_HEAD_DIM = 32  # vLLM-CPU's attention kernels reject smaller heads (DESIGN section 6)
 
 
 def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 2048) -> PreTrainedTokenizerFast:
@@ -91,43 +90,12 @@ def build_tiny_model(
     The model's vocab is the tokenizer's size; eos is <|im_end|>, pad and bos are <|endoftext|> (as in Qwen2.5).
     The global torch RNG is left untouched. Returns `out_dir` as a Path.
     """
-    if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads must divide hidden_size and num_kv_heads must divide num_heads; "
-            f"got hidden_size={hidden_size}, num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-        )
-    if hidden_size // num_heads < MIN_HEAD_DIM:
-        raise ValueError(
-            f"head_dim = hidden_size / num_heads must be >= {MIN_HEAD_DIM} for vLLM-CPU; "
-            f"got {hidden_size} / {num_heads} = {hidden_size // num_heads}"
-        )
-    out_dir = Path(out_dir)
     tokenizer = train_tokenizer(corpus, vocab_size=vocab_size)
-    tokenizer.model_max_length = max_position_embeddings
-    special_ids = {
-        "bos_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        dtype="float32",
-        **special_ids,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(**special_ids)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return random_qwen2(
+        out_dir, tokenizer, vocab_size=len(tokenizer), hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, seed=seed,
+    )  # fmt: skip
 
 
 def tiny_corpus() -> list[str]:

@@ -39,6 +39,7 @@ import torch
 
 from stare_agent import protocol
 from stare_agent.agent import EpisodeResult, run_batch
+from stare_agent.audit import MaskAuditError, audit_trained
 from stare_agent.backends.local.common import (
     MetricsLog,
     clip_and_step,
@@ -201,6 +202,10 @@ class Trainer:
         self.device = next(self.model.parameters()).device
         self.mismatch_warned = False
         self.problems = self._load_problems()
+        self.problem_texts: dict[str, list[str]] = {}
+        """problem id -> its texts, for the mask audit (a file may repeat an id)."""
+        for p in self.problems:
+            self.problem_texts.setdefault(p.id, []).append(p.problem)
         self.optimizer, self.scheduler = make_optimizer(self.model, config.optim, config.steps)
         self.control = EntropyControl(config)
         r = config.rollout
@@ -292,6 +297,11 @@ class Trainer:
         padded = pad_batch(results, self.tokenizer.pad_token_id, self.device)
         mask = padded["action_mask"]
 
+        if cfg.rollout.audit_masks:
+            started = time.perf_counter()
+            self.audit(results, padded)
+            timings["time/audit"] = time.perf_counter() - started
+
         started = time.perf_counter()
         parts = [
             reference_stats(self.model, padded["ids"][sl], padded["attention"][sl], cfg.rollout.temperature)
@@ -317,6 +327,30 @@ class Trainer:
         batch.entropy_coef = step_metrics.get("control/coef", 0.0) if self.control.method == "entropy_bonus" else 0.0
         timings["time/stare"] += time.perf_counter() - started
         return batch, {**step_metrics, **self._check_mismatch(batch), **timings}
+
+    def audit(self, results: Sequence[EpisodeResult], padded: dict[str, torch.Tensor]) -> None:
+        """rollout.audit_masks: each row of the padded batch (what the update trains on) against its ids."""
+        for row, r in enumerate(results):
+            n = len(r.token_ids)
+            errors = []
+            for problem in dict.fromkeys(self.problem_texts[r.problem_id]):  # the prompt is one of the id's
+                try:
+                    audit_trained(
+                        self.tokenizer,
+                        padded["ids"][row, :n].tolist(),
+                        padded["action_mask"][row, : n - 1].tolist(),
+                        padded["rollout_logprobs"][row, : n - 1].tolist(),
+                        problem,
+                        self.config.agent.system_prompt,
+                        where=f"rl step {self.step + 1}, sample {row} (problem {r.problem_id})",
+                        sampled_tokens=sum(t.sampled_tokens for t in r.turns),
+                        observation_tokens=sum(t.observation_tokens for t in r.turns),
+                    )
+                    break
+                except MaskAuditError as exc:
+                    errors.append(exc)
+            else:
+                raise errors[0]
 
     def _micro_batches(self, rows: int) -> list[slice]:
         micro = self.config.loss.micro_batch_size

@@ -46,6 +46,8 @@ import ray
 import torch
 from torch import Tensor
 
+from stare_agent import protocol
+from stare_agent.audit import audit_trained
 from stare_agent.backends.openrlhf import updates, upstream
 from stare_agent.backends.openrlhf.episodes import config_from_env
 from stare_agent.batching import EPISODE_STATS, BatchFill
@@ -296,9 +298,14 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
     SandboxFailures (it propagates out of fit and stops the run). Built by `replacing` the trainer's generator.
     """
 
-    def __init__(self, *args: Any, steps: int, rollout: RolloutConfig, **kwargs: Any):
+    def __init__(
+        self, *args: Any, steps: int, rollout: RolloutConfig, system_prompt: str | None = protocol.SYSTEM_PROMPT,
+        **kwargs: Any,
+    ):  # fmt: skip
         super().__init__(*args, **kwargs)
         self.steps, self.rollout = steps, rollout
+        self.system_prompt = system_prompt
+        """The agent's system prompt: the mask audit rebuilds each sample's prompt ids with it."""
         self.handed = 0
         """Full batches handed to fit so far in this run (the checkpoint's global_step on resume)."""
         self.stop_reason = ""
@@ -317,6 +324,7 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
             vllm_engines=generator.vllm_engines,
             steps=config.steps,
             rollout=config.rollout,
+            system_prompt=config.agent.system_prompt,
         )
 
     def next_prompt(self) -> Any:
@@ -375,10 +383,27 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
             )
         self._seen.append(stats)
         experience = super()._process_response_into_experience(response, **generate_kwargs)
+        if self.rollout.audit_masks:
+            self.audit(response, experience, generate_kwargs.get("max_len", 2048))
         for key in EPISODE_STATS:
             if key != "reward":  # OpenRLHF's own
                 experience.info.pop(key, None)
         return experience
+
+    def audit(self, response: dict, experience: Any, max_len: int) -> None:
+        """rollout.audit_masks: the Experience as OpenRLHF made it (action mask and log-probs shifted by one, all
+        cut at max_len) against its ids and the episode's own counts (stare_agent/audit.py)."""
+        ids = experience.sequences[0].tolist()
+        mask = experience.action_mask[0].tolist()
+        logprobs = experience.rollout_log_probs
+        logprobs = [0.0] * len(mask) if logprobs is None else logprobs[0].tolist()
+        logs = response.get("extra_logs") or {}
+        audit_trained(
+            self.tokenizer, ids, mask, logprobs, response["prompt"], self.system_prompt,
+            where=f"openrlhf sample of prompt {response['prompt'][:60]!r}",
+            sampled_tokens=int(logs["sampled_tokens"]), observation_tokens=int(logs["tool_output_tokens"]),
+            cut=len(response["observation_tokens"]) > max_len,
+        )  # fmt: skip
 
 
 class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
