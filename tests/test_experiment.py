@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -78,9 +79,14 @@ def test_bootstrap_interval_covers_the_mean_and_shrinks_with_more_problems():
         ("variants={a: {stare: {wx: 1}}}", r"variants\.a\.stare\.wx: unknown key; allowed: op, top_ratio"),
         ("variants={a: {stare: {schedule: adaptive}}}", r"variants\.a\.stare\.schedule was renamed to 'w_mode'"),
         ("variants={a: {stare: {w: 0.5}}}", r"variants\.a\.stare: w must be >= 1; got 0.5"),
-        ("variants={a: {entropy_control: {method: nope}}}", r"variants\.a\.entropy_control: method must be one of"),
+        (
+            "variants={a: {entropy_control: {method: nope}}}",
+            r"variants\.a\.entropy_control\.method: Input should be 'none', 'stare'",
+        ),
         ("variants={a: {optim: {updates_per_batch: 3}}}", r"variants\.a: optim\.updates_per_batch=3 must divide"),
         ("variants={a: {stare: 1}}", r"variants\.a\.stare must be a mapping"),
+        ("variants={a: {clip_cov: {lb: x}}}", r"variants\.a\.clip_cov\.lb: Input should be a valid number"),
+        ("variants={a: {clip_cov: {lb: 6}}}", r"variants\.a\.clip_cov: clip_cov\.lb must be < clip_cov\.ub"),
         (
             "variants={a: {enabled: false}}",
             r"variants\.a: \{enabled: false\} is the old format.*write \{entropy_control: "
@@ -133,11 +139,18 @@ def test_a_results_folder_carries_a_sweep_to_a_new_output_folder(tmp_path, capsy
         f"results_dir={results}",
         "variants={grpo-ds: {entropy_control: {method: none}}}",
         "seeds=[0]",
+        "coverage_eval.k=3",
+        "coverage_eval.max_problems=2",
     ]
     first = experiment.run(load_config(ExperimentConfig, None, [f"run.output_dir={tmp_path / 'a'}", *common]))
     kept = {p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file()}
     assert {"config.yaml", "data/test.jsonl", "sft/model/model.safetensors", "eval-sft/results.json"} <= kept
     assert {"rl-grpo-ds-s0/metrics.jsonl", "eval-grpo-ds-s0/results.json", "eval-grpo-ds-s0/test.json"} <= kept
+    # The coverage evaluation of every model: its own k and problems, kept with the run.
+    assert {"eval-sft-k3/results.json", "eval-grpo-ds-s0-k3/results.json", "eval-grpo-ds-s0-k3/test.json"} <= kept
+    (coverage,) = json.loads((results / "eval-grpo-ds-s0-k3" / "results.json").read_text())
+    assert (coverage["samples_per_problem"], coverage["problems"]) == (3, 2)
+    assert "Coverage: pass@3 on the first 2 test problems" in (first / "report.md").read_text()
     assert not any("checkpoints" in p or "trainer_state" in p for p in kept)
     report = json.loads((first / "report.json").read_text())
     sft_weights = (results / "sft" / "model" / "model.safetensors").read_bytes()
@@ -147,7 +160,8 @@ def test_a_results_folder_carries_a_sweep_to_a_new_output_folder(tmp_path, capsy
     second = tmp_path / "b"
     assert main(["experiment", f"run.output_dir={second}", *common]) == 0
     out = capsys.readouterr().out
-    assert all(f"experiment: {n} restored" in out for n in ("data", "SFT model", "sft", "grpo-ds-s0"))
+    restored = ("data", "SFT model", "sft", "sft-k3", "grpo-ds-s0", "grpo-ds-s0-k3")
+    assert all(f"experiment: {n} restored" in out for n in restored)
     assert not any(step in out for step in ("synthetic tasks", "experiment: SFT\n", "experiment: RL", "evaluating"))
     assert json.loads((second / "sweep" / "report.json").read_text()) == report
 
@@ -158,6 +172,12 @@ def test_a_results_folder_carries_a_sweep_to_a_new_output_folder(tmp_path, capsy
     start = load_config(RLConfig, second / "sweep" / "rl-grpo-ds-s2" / "config.yaml").model.path
     assert (Path(start) / "model.safetensors").read_bytes() == sft_weights
     assert (results / "eval-grpo-ds-s2" / "results.json").exists()
+
+    # A run whose coverage evaluation is missing where no checkpoint was kept is not trained again: an error.
+    for folder in (results, second / "sweep"):
+        shutil.rmtree(folder / "eval-grpo-ds-s0-k3")
+    with pytest.raises(ConfigError, match=r"eval-grpo-ds-s0-k3 is not, and .*rl-grpo-ds-s0 has no final checkpoint"):
+        experiment.run(load_config(ExperimentConfig, None, [f"run.output_dir={second}", *common]))
 
     # The results folder's settings bind like the output folder's.
     with pytest.raises(ConfigError, match=r"holds an experiment made with other settings \(rl.steps differ"):
@@ -193,3 +213,6 @@ def test_a_variant_changes_its_sections_and_keeps_the_rest_of_rl():
     assert (rl.entropy_control.method, rl.kl_cov.coef, rl.stare.op, rl.stare.w) == ("kl_cov", 0.5, "C2", 2.0)
     assert (rl.kl_cov.ratio, rl.rollout, rl.steps) == (config.rl.kl_cov.ratio, config.rl.rollout, config.rl.steps)
     assert ExperimentConfig().variant_rl("grpo-ds").entropy_control.method == "none"
+    # A value is typed as in a config file: YAML reads 1.0e9 (no exponent sign) as text, the section as a number.
+    wide = load_config(ExperimentConfig, None, ["variants={x: {clip_cov: {lb: -1.0e9, ub: 1.0e9}}}"]).variant_rl("x")
+    assert (wide.clip_cov.lb, wide.clip_cov.ub) == (-1e9, 1e9)

@@ -4,6 +4,7 @@ The folder `run.output_dir/run.name` holds, as the quickstart's does:
 
     config.yaml, data/, model/, sft/, eval-sft/          made once ("prepare"), seeded by run.seed
     rl-<variant>-s<seed>/, eval-<variant>-s<seed>/      one RL run and its evaluation per variant and seed
+    eval-sft-k<K>/, eval-<variant>-s<seed>-k<K>/        with coverage_eval.k = K: each model's second evaluation
     report.md, report.json, entropy.png                 over every finished run ("report")
 
 A stage whose output is complete is skipped, so rerunning the command resumes a sweep. The shared stages and
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import pydantic
 import yaml
 
 from stare_agent.backends.local import evaluate, rl, sft
@@ -60,6 +62,22 @@ VARIANT_SECTIONS = (
 
 
 @dataclass
+class CoverageEval:
+    """A second evaluation of every model (SFT and each run's final checkpoint): the `eval` section with more
+    samples on fewer problems, for pass@k at large k (e.g. k 64 on the first 64 test problems)."""
+
+    k: int = 0
+    """Samples per problem; 0: no second evaluation."""
+    max_problems: int = 0
+    """The first max_problems test problems; 0: all."""
+
+    def __post_init__(self) -> None:
+        if self.k < 0 or self.max_problems < 0:
+            raise ValueError(f"coverage_eval.k and coverage_eval.max_problems must be >= 0; got {self.k}, "
+                             f"{self.max_problems}")  # fmt: skip
+
+
+@dataclass
 class ExperimentConfig(QuickstartConfig):
     """`stare-agent experiment`: the quickstart's pipeline with several RL variants and seeds, for measurements.
 
@@ -81,6 +99,9 @@ class ExperimentConfig(QuickstartConfig):
     )
     """name -> the variant's changes to `rl`, by section: {section: {key: value}}, each section one of
     VARIANT_SECTIONS, e.g. `{entropy_control: {method: none}}` (GRPO-ds) or `{stare: {op: C2, w: 2.0}}`."""
+    coverage_eval: CoverageEval = field(default_factory=CoverageEval)
+    """With k > 0, each model is evaluated a second time into eval-<name>-k<k>/ (same seed, `eval`'s settings
+    with this k and max_problems); a run counts as finished once both evaluations are."""
     only: list[str] = field(default_factory=list)
     """Variants to run now (empty = all); the report covers every finished run."""
     stage: Literal["all", "prepare", "report"] = "all"
@@ -137,10 +158,14 @@ def rl_with_changes(rl: RLConfig, changes: Mapping[str, Any] | None, where: str)
             if replaced is not None:
                 raise ValueError(f"{where}.{section}.{key} is gone: {replaced}")
             raise ValueError(f"{where}.{section}.{key}: unknown key; allowed: {', '.join(allowed)}")
+        # Validated as a config file's section is (types included: YAML reads `1.0e9` as text), then checked.
         try:
-            sections[section] = dataclasses.replace(current, **keys)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}.{section}: {exc}") from None
+            sections[section] = pydantic.TypeAdapter(type(current)).validate_python({**asdict(current), **keys})
+        except pydantic.ValidationError as exc:
+            error = exc.errors()[0]
+            key = ".".join(str(part) for part in error["loc"])
+            message = error["ctx"]["error"] if error["type"] == "value_error" else error["msg"]  # the check's own
+            raise ValueError(f"{where}.{section}{'.' + key if key else ''}: {message}") from None
     try:
         return dataclasses.replace(rl, **sections)
     except (TypeError, ValueError) as exc:
@@ -238,23 +263,36 @@ def prepare(config: ExperimentConfig, run_dir: Path) -> dict[str, Path]:
             )
             finished.write_text(f"{checkpoint}\n")
         results.keep_sft(config.results_dir, files, checkpoint)
-        _evaluate(config, run_dir, "eval-sft", checkpoint, files["test"], seed)
-        results.keep(config.results_dir, run_dir, "eval-sft")
+        _evaluate(config, run_dir, "sft", checkpoint, files["test"], seed)
+        results.keep(config.results_dir, run_dir, *eval_names(config, "sft"))
     return {**files, "sft_model": checkpoint}
 
 
+def eval_names(config: ExperimentConfig, name: str) -> list[str]:
+    """The evaluation folders of the model `name` (sft, or <variant>-s<seed>): eval-<name>, and eval-<name>-k<K>
+    with a coverage evaluation."""
+    k = config.coverage_eval.k
+    return [f"eval-{name}", *([f"eval-{name}-k{k}"] if k else [])]
+
+
 def _evaluate(config: ExperimentConfig, run_dir: Path, name: str, model: Path, test: Path, seed: int) -> None:
-    if (run_dir / name / "results.json").exists():
-        return
-    print(f"experiment: evaluating {name.removeprefix('eval-')} on {test}")
-    evaluate.run(
-        replace(
-            config.eval,
-            run=_stage_run(run_dir, name, seed, config.run.threads),
-            model=replace(config.eval.model, path=str(model)),
-            files=[str(test)],
+    """Every evaluation of the model `name` that is not finished yet (all scored with the same seed)."""
+    for folder in eval_names(config, name):
+        if (run_dir / folder / "results.json").exists():
+            continue
+        settings = config.eval
+        if folder != f"eval-{name}":
+            cover = config.coverage_eval
+            settings = replace(settings, k=cover.k, k_per_benchmark={}, max_problems=cover.max_problems)
+        print(f"experiment: evaluating {folder.removeprefix('eval-')} on {test}")
+        evaluate.run(
+            replace(
+                settings,
+                run=_stage_run(run_dir, folder, seed, config.run.threads),
+                model=replace(settings.model, path=str(model)),
+                files=[str(test)],
+            )
         )
-    )
 
 
 def run_variant(config: ExperimentConfig, run_dir: Path, files: dict[str, Path], variant: str, seed: int) -> None:
@@ -267,9 +305,15 @@ def run_variant(config: ExperimentConfig, run_dir: Path, files: dict[str, Path],
 def _run_variant(
     config: ExperimentConfig, run_dir: Path, files: dict[str, Path], variant: str, seed: int, name: str
 ) -> None:
-    if _done(run_dir, name):  # evaluated (here, or restored from the results folder without checkpoints)
+    if _done(config, run_dir, name):  # evaluated (here, or restored from the results folder without checkpoints)
         return
     final = _final_checkpoint(run_dir / f"rl-{name}", config.rl.steps)
+    if final is None and (run_dir / f"eval-{name}" / "results.json").exists():
+        raise ConfigError(
+            f"{run_dir / f'eval-{name}'} is finished but {', '.join(eval_names(config, name)[1:])} is not, and "
+            f"{run_dir / f'rl-{name}'} has no final checkpoint (a run restored from a results folder keeps none): "
+            "evaluate that checkpoint with `stare-agent eval`, or train the run again in another folder"
+        )
     if final is None:
         print(f"experiment: RL {name}, {config.rl.steps} steps")
         variant_rl = config.variant_rl(variant)
@@ -283,12 +327,12 @@ def _run_variant(
             )
         )
     # Every model is scored with the same evaluation seed: the comparison between runs is paired.
-    _evaluate(config, run_dir, f"eval-{name}", final, files["test"], config.run.seed)
-    results.keep(config.results_dir, run_dir, f"rl-{name}", f"eval-{name}")
+    _evaluate(config, run_dir, name, final, files["test"], config.run.seed)
+    results.keep(config.results_dir, run_dir, f"rl-{name}", *eval_names(config, name))
 
 
-def _done(run_dir: Path, name: str) -> bool:
-    return (run_dir / f"eval-{name}" / "results.json").exists()
+def _done(config: ExperimentConfig, run_dir: Path, name: str) -> bool:
+    return all((run_dir / folder / "results.json").exists() for folder in eval_names(config, name))
 
 
 # Keys that may differ between commands sharing one experiment folder: what to run now, and how fast.
@@ -345,7 +389,9 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def run(config: ExperimentConfig) -> Path:
+def open_folder(config: ExperimentConfig) -> tuple[Path, ExperimentConfig]:
+    """The experiment's output folder, with what the results folder keeps restored into it, and the config of
+    the folder (the command's, with every variant either folder has); a folder of other settings is an error."""
     run_dir = run_path(config.run, "experiment")
     with _locked(run_dir / ".config.lock"):
         folder_config = config
@@ -354,15 +400,20 @@ def run(config: ExperimentConfig) -> Path:
             for name in results.restore(Path(config.results_dir), run_dir):
                 print(f"experiment: {name} restored from {config.results_dir}")
         folder_config = _join(folder_config, run_dir)  # the report covers every variant of both folders
+    return run_dir, folder_config
+
+
+def run(config: ExperimentConfig) -> Path:
+    run_dir, folder_config = open_folder(config)
     if config.stage != "report":
         names = [f"{v}-s{seed}" for seed in config.seeds for v in config.only or list(config.variants)]
         # Data and SFT only when something needs them: a sweep restored whole goes straight to its report.
-        if config.stage == "prepare" or not _done(run_dir, "sft") or not all(_done(run_dir, n) for n in names):
+        if config.stage == "prepare" or not all(_done(config, run_dir, n) for n in ["sft", *names]):
             files = prepare(config, run_dir)
         if config.stage == "all":
             for seed in config.seeds:
                 for variant in config.only or list(config.variants):
-                    if not _done(run_dir, f"{variant}-s{seed}"):
+                    if not _done(config, run_dir, f"{variant}-s{seed}"):
                         run_variant(config, run_dir, files, variant, seed)
     report = write_report(folder_config, run_dir)  # every variant of the folder, not only this command's
     print(report.read_text())

@@ -106,8 +106,15 @@ def family_table(data: dict[str, Any], family_of: dict[str, str], pass_key: str)
 
 
 def collect(config: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
-    """Every finished run's numbers: {"sft": eval numbers, "runs": {variant: {seed: {...}}}}."""
-    out: dict[str, Any] = {"sft": eval_numbers(run_dir / "eval-sft"), "runs": {}}
+    """Every finished run's numbers: {"sft": eval numbers, "sft_coverage": the SFT model's coverage evaluation
+    (None without one), "runs": {variant: {seed: {..., "held_out": ..., "coverage": ...}}}}."""
+    k = config.coverage_eval.k
+    suffix = f"-k{k}" if k else ""
+
+    def coverage(name: str) -> dict[str, Any] | None:
+        return eval_numbers(run_dir / f"eval-{name}{suffix}") if k else None
+
+    out: dict[str, Any] = {"sft": eval_numbers(run_dir / "eval-sft"), "sft_coverage": coverage("sft"), "runs": {}}
     for variant in config.variants:
         for seed in sorted({*config.seeds, *_seeds_on_disk(run_dir, variant)}):
             name = f"{variant}-s{seed}"
@@ -119,6 +126,7 @@ def collect(config: ExperimentConfig, run_dir: Path) -> dict[str, Any]:
                 **run_summary(rows),
                 **entropy_band(rows),
                 "held_out": held_out,
+                "coverage": coverage(name),
                 "entropy": logged(rows, "stare/entropy_mean"),
             }
     return out
@@ -206,6 +214,12 @@ def write_report(config: ExperimentConfig, run_dir: Path) -> Path:
                 f"| {r['rollout_accuracy_final_window']:.2f} | {_num(r['gate_fraction'])} "
                 f"| {median} ({w_star['n']}/{r['steps']}) |"
             )
+    if config.coverage_eval.k:
+        lines += ["", *coverage_table(config, data)]
+        summary["sft_coverage"] = _without_lists(data["sft_coverage"])
+        for variant, by_seed in data["runs"].items():
+            for seed, r in by_seed.items():
+                summary["variants"][variant][str(seed)]["coverage"] = _without_lists(r["coverage"])
     test_file = run_dir / "data" / "test.jsonl"
     if test_file.exists() and (sft_numbers or data["runs"]):
         lines += ["", *family_table(data, families(test_file), pass_key)]
@@ -216,6 +230,29 @@ def write_report(config: ExperimentConfig, run_dir: Path) -> Path:
     path = run_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def coverage_table(config: ExperimentConfig, data: dict[str, Any]) -> list[str]:
+    """pass@k of the coverage evaluations (k = coverage_eval.k): the SFT model's, and per variant the mean over
+    the seeds evaluated (t-interval) and each seed's. Paired differences: `stare-agent lab endpoint`."""
+    cover = config.coverage_eval
+    key = f"pass@{cover.k}"
+    where = f"the first {cover.max_problems} test problems" if cover.max_problems else "every test problem"
+    lines = [
+        f"Coverage: {key} on {where}, {cover.k} samples each (`coverage_eval`; paired differences between "
+        "variants: `stare-agent lab endpoint`):",
+        "",
+        f"| model | seeds | {key} (%) | per seed |",
+        "|---|---:|---:|---|",
+    ]
+    if data["sft_coverage"]:
+        lines.append(f"| SFT | - | {100 * data['sft_coverage'][key]:.1f} | - |")
+    for variant, by_seed in data["runs"].items():
+        values = {seed: r["coverage"][key] for seed, r in sorted(by_seed.items()) if r["coverage"]}
+        if values:
+            each = ", ".join(f"s{seed} {100 * v:.1f}" for seed, v in values.items())
+            lines.append(f"| {variant} | {len(values)} | {_cell(list(values.values()), 1, 100)} | {each} |")
+    return lines
 
 
 def _num(value: float | None) -> str:

@@ -46,13 +46,41 @@ def t_interval(values: list[float], level: float = LEVEL) -> tuple[float, float 
     return m, m - half, m + half
 
 
+def _bootstrap_means(per_problem: list[float], draws: int) -> list[float]:
+    """The sorted means of `draws` resamples (with replacement, fixed seed) of `per_problem`."""
+    rng = random.Random(0)
+    n = len(per_problem)
+    return sorted(sum(rng.choices(per_problem, k=n)) / n for _ in range(draws))
+
+
 def bootstrap_interval(per_problem: list[float], level: float = LEVEL, draws: int = 2000) -> tuple[float, float]:
     """Percentile bootstrap over problems of the mean of `per_problem` (fixed seed: the same data, the same
     interval). The evaluation noise of one model on one test set; the seed intervals include it."""
-    rng = random.Random(0)
-    n = len(per_problem)
-    means = sorted(sum(rng.choices(per_problem, k=n)) / n for _ in range(draws))
+    means = _bootstrap_means(per_problem, draws)
     return means[int((1 - level) / 2 * draws)], means[int((1 + level) / 2 * draws) - 1]
+
+
+def bootstrap_test(differences: list[float], level: float = LEVEL, draws: int = 10_000) -> tuple[float, float, float]:
+    """(low, high, p): the percentile bootstrap interval of the mean of paired per-problem `differences`, and the
+    two-sided p-value of "mean 0" read off the same resamples: twice the smaller share of resampled means on
+    either side of 0 (at most 1), so p < 1 - level about when the interval leaves 0 out."""
+    means = _bootstrap_means(differences, draws)
+    below = sum(m <= 0 for m in means) / draws
+    above = sum(m >= 0 for m in means) / draws
+    low, high = means[int((1 - level) / 2 * draws)], means[int((1 + level) / 2 * draws) - 1]
+    return low, high, min(1.0, 2 * min(below, above))
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjustment of `pvalues` (family-wise error over all of them), in their order: the i-th
+    smallest p times (m - i + 1), made non-decreasing along that order, at most 1."""
+    m = len(pvalues)
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, index in enumerate(sorted(range(m), key=lambda i: pvalues[i])):
+        running = max(running, min(1.0, (m - rank) * pvalues[index]))
+        adjusted[index] = running
+    return adjusted
 
 
 def problem_accuracy(rewards: list[float]) -> float:

@@ -41,7 +41,7 @@ def sign_test(a: int, b: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def _rewards(folder: Path) -> dict[str, list[float]]:
+def problem_rewards(folder: Path) -> dict[str, list[float]]:
     """problem id -> its scored rewards, from the folder's one benchmark."""
     finished = eval_results(folder)
     if finished is None:
@@ -50,13 +50,13 @@ def _rewards(folder: Path) -> dict[str, list[float]]:
     return {p["problem_id"]: [r for r in p["rewards"] if r is not None] for p in problems if p["rewards"]}
 
 
-def _pass(rewards: list[float], k: int) -> float:
+def problem_pass(rewards: list[float], k: int) -> float:
     return pass_at_k(len(rewards), sum(r >= 1.0 for r in rewards), k)
 
 
 def curve(pairs: list[tuple[Path, Path]]) -> list[str]:
     """Markdown rows: pass@k before and after for every k both evaluations reach, with the changes."""
-    data = [(_rewards(b), _rewards(a)) for b, a in pairs]
+    data = [(problem_rewards(b), problem_rewards(a)) for b, a in pairs]
     n = min(len(r) for before, after in data for r in [*before.values(), *after.values()])
     lines = [
         "| k | pass@k before (%, mean over pairs) | after | change over pairs (points, 95% t-interval) "
@@ -64,9 +64,9 @@ def curve(pairs: list[tuple[Path, Path]]) -> list[str]:
         "|---:|---:|---:|---:|---:|",
     ]
     for k in pass_ks(n):
-        before = [statistics.fmean(_pass(r, k) for r in b.values()) for b, _ in data]
-        after = [statistics.fmean(_pass(r, k) for r in a.values()) for _, a in data]
-        pooled = [_pass(a[pid], k) - _pass(b[pid], k) for b, a in data for pid in b]
+        before = [statistics.fmean(problem_pass(r, k) for r in b.values()) for b, _ in data]
+        after = [statistics.fmean(problem_pass(r, k) for r in a.values()) for _, a in data]
+        pooled = [problem_pass(a[pid], k) - problem_pass(b[pid], k) for b, a in data for pid in b]
         low, high = bootstrap_interval(pooled)
         lines.append(
             f"| {k} | {100 * statistics.fmean(before):.1f} | {100 * statistics.fmean(after):.1f} "
