@@ -56,6 +56,12 @@ def entropy_and_s2(logits: Tensor, chunk_size: int | None = None) -> tuple[Tenso
     return entropy, s2
 
 
+def _load(block: Tensor, rows: Tensor, temperature: float) -> Tensor:
+    """block[:len(rows)] = rows / temperature in the block's float32; no division pass at temperature 1."""
+    z = block[: rows.shape[0]].copy_(rows)
+    return z if temperature == 1.0 else z.div_(temperature)
+
+
 @torch.no_grad()
 def sampling_stats(
     logits: Tensor, targets: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
@@ -94,10 +100,10 @@ def _chunked_stats(
     for start in range(0, rows, chunk_size):
         stop = min(start + chunk_size, rows)
         n = stop - start
-        z = blocks[2, :n].copy_(flat[start:stop])
-        if temperature != 1.0:
-            z.div_(temperature)
-        logp = torch.log_softmax(z, dim=-1, out=blocks[0, :n])
+        z = _load(blocks[2], flat[start:stop], temperature)
+        # z - logsumexp(z), not torch.log_softmax: on CPU the latter's normaliser is summed with less care, and
+        # H and S2 at V = 152k came out ~15x further from float64 (docs/benchmarks.md, section 7)
+        logp = torch.sub(z, torch.logsumexp(z, dim=-1, keepdim=True), out=blocks[0, :n])
         if logprobs is not None:
             logprobs[start:stop] = logp.gather(-1, flat_targets[start:stop]).squeeze(-1)
         p = torch.exp(logp, out=blocks[1, :n])
@@ -151,7 +157,7 @@ class _TokenLogProbs(torch.autograd.Function):
         block = torch.empty(min(chunk_size, max(rows, 1)), vocab, dtype=torch.float32, device=logits.device)
         for start in range(0, rows, chunk_size):
             stop = min(start + chunk_size, rows)
-            z = block[: stop - start].copy_(flat[start:stop]).div_(temperature)
+            z = _load(block, flat[start:stop], temperature)
             lse[start:stop] = torch.logsumexp(z, dim=-1)
             out[start:stop] = z.gather(-1, index[start:stop]).squeeze(-1) - lse[start:stop]
         ctx.save_for_backward(logits, targets, lse)
@@ -172,7 +178,7 @@ class _TokenLogProbs(torch.autograd.Function):
         block = torch.empty(min(chunk_size, max(rows, 1)), vocab, dtype=torch.float32, device=logits.device)
         for start in range(0, rows, chunk_size):
             stop = min(start + chunk_size, rows)
-            z = block[: stop - start].copy_(flat[start:stop]).div_(temperature)
+            z = _load(block, flat[start:stop], temperature)
             # -g * softmax(z), then + g at the target: the gradient of g * (z_a - logsumexp(z)) in z.
             p = z.sub_(lse[start:stop, None]).exp_().mul_(-grad[start:stop])
             p.scatter_add_(-1, index[start:stop], grad[start:stop])
@@ -273,7 +279,7 @@ class _TokenEntropy(torch.autograd.Function):
         block = torch.empty(min(chunk_size, max(rows, 1)), vocab, dtype=torch.float32, device=logits.device)
         for start in range(0, rows, chunk_size):
             stop = min(start + chunk_size, rows)
-            z = block[: stop - start].copy_(flat[start:stop]).div_(temperature)
+            z = _load(block, flat[start:stop], temperature)
             lse[start:stop] = torch.logsumexp(z, dim=-1)
             logp = z.sub_(lse[start:stop, None]).clamp_(min=torch.finfo(z.dtype).min)
             entropy[start:stop] = -(logp.exp() * logp).sum(-1)
@@ -295,7 +301,7 @@ class _TokenEntropy(torch.autograd.Function):
         block = torch.empty(min(chunk_size, max(rows, 1)), vocab, dtype=torch.float32, device=logits.device)
         for start in range(0, rows, chunk_size):
             stop = min(start + chunk_size, rows)
-            logp = block[: stop - start].copy_(flat[start:stop]).div_(temperature).sub_(lse[start:stop, None])
+            logp = _load(block, flat[start:stop], temperature).sub_(lse[start:stop, None])
             logp.clamp_(min=torch.finfo(logp.dtype).min)
             # -g * p * (ln p + H)
             grad_flat[start:stop] = logp.exp() * (logp + entropy[start:stop, None]) * -grad[start:stop]
