@@ -44,6 +44,10 @@ FLAGS = {
     "default_timeout_s": ("pool.default_timeout_s", "wall-clock limit of a call that names none"),
     "max_timeout_s": ("pool.max_timeout_s", "the largest timeout_s a call may ask for"),
     "output_limit_chars": ("pool.output_limit_chars", "stdout and stderr are each cut to this many characters"),
+    "run_code_output_limit_bytes": (
+        "run_code_output_limit_bytes",
+        "POST /run_code keeps the first this many bytes of stdout and of stderr",
+    ),
     "memory_mb": ("pool.limits.memory_mb", "address space per kernel process, MiB"),
     "processes": ("pool.limits.processes", "processes and threads per kernel"),
     "file_size_mb": ("pool.limits.file_size_mb", "largest file a kernel may write, MiB"),

@@ -69,6 +69,8 @@ class ServerSettings:
     """Calls executing at once (stateful and stateless together)."""
     max_waiting: int = 64
     """Calls waiting for a slot; beyond it a call gets 429 with Retry-After."""
+    run_code_output_limit_bytes: int = sandboxfusion.OUTPUT_LIMIT_BYTES
+    """POST /run_code keeps the first this many bytes of each of stdout and stderr (SandboxFusion's 1 MiB)."""
     require_isolation: bool = False
     """Refuse to start unless namespaces isolation (no network, read-only root, own uid) works."""
     pool: PoolSettings = field(default_factory=PoolSettings)
@@ -80,6 +82,8 @@ class ServerSettings:
             )
         if self.max_running < 1 or self.max_waiting < 0 or self.max_sessions < 0:
             raise ValueError("max_running must be >= 1, max_waiting and max_sessions >= 0")
+        if self.run_code_output_limit_bytes < 100:
+            raise ValueError(f"run_code_output_limit_bytes must be >= 100; got {self.run_code_output_limit_bytes}")
 
 
 KERNEL_OPEN_FILES = 16
@@ -344,7 +348,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
                 413, f"files have {files_chars} base64 characters; the limit is {settings.max_code_chars}"
             )
         code = sandboxfusion.program(body)
-        result = await run("run_code", lambda wait_s: run_stateless(pool, code, timeout[0], wait_s), timeout)
+        limit = settings.run_code_output_limit_bytes
+        result = await run("run_code", lambda wait_s: run_stateless(pool, code, timeout[0], wait_s, limit), timeout)
         return sandboxfusion.response(result)
 
     @app.get("/healthz")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from stare_sandbox.cgroups import Cgroups, range_group
 from stare_sandbox.isolation import UID_BASE, UID_RANGE_SIZE, KernelMeter, Limits, remove_scratch
+from stare_sandbox.sandboxfusion import FETCH_MIME, signal_status
 from stare_sandbox.schemas import ErrorInfo, RunResult
 
 if TYPE_CHECKING:
@@ -69,6 +70,31 @@ class _Capture:
             return head + self.tail[: self.total - self.head_len]
         cut = self.total - len(head) - len(self.tail)
         return f"{head}\n... [{cut} characters cut] ...\n{self.tail}"
+
+
+class _Head:
+    """Keeps the first `limit` bytes of a stream's UTF-8, cut at a character boundary, with no marker: SandboxFusion's
+    way (the first 1 MiB of each stream), for /run_code."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.kept: list[str] = []
+        self.size = 0  # bytes kept
+        self.truncated = False
+
+    def add(self, text: str) -> None:
+        if self.truncated:
+            return
+        data = text.encode("utf-8", "surrogatepass")
+        if self.size + len(data) > self.limit:
+            self.truncated = True
+            text = data[: self.limit - self.size].decode("utf-8", "ignore")  # a split character is dropped
+            data = text.encode("utf-8", "surrogatepass")
+        self.kept.append(text)
+        self.size += len(data)
+
+    def text(self) -> str:
+        return "".join(self.kept)
 
 
 CAP_CHECK_S = 0.5
@@ -182,8 +208,38 @@ class Kernel:
         except ChildProcessError:  # reaped by someone else
             return True
 
-    async def execute(self, code: str, timeout_s: float, settings: PoolSettings, *, user: bool = True) -> RunResult:
+    def exit_status(self) -> int | None:
+        """The kernel's first process's exit status, as subprocess gives it (-N for signal N; a namespace init's
+        128 + N read the same way), without reaping it; None while it runs or when it cannot be read."""
+        process = self.process
+        if process is None:
+            return None
+        if process.returncode is not None:
+            return signal_status(process.returncode)
+        try:
+            info = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return None
+        if info is None:
+            return None
+        if info.si_code == os.CLD_EXITED:
+            return signal_status(info.si_status)
+        return -info.si_status  # killed or dumped by signal si_status
+
+    async def execute(
+        self,
+        code: str,
+        timeout_s: float,
+        settings: PoolSettings,
+        *,
+        user: bool = True,
+        output_limit_bytes: int | None = None,
+    ) -> RunResult:
         """Run `code`; never raises for anything the code does.
+
+        Each of stdout and stderr keeps settings.output_limit_chars characters (head and tail), or, given
+        output_limit_bytes, its first that many bytes (/run_code, as SandboxFusion). Files a /run_code driver
+        fetched come back in the result's `files`, and a kernel that died under the code gives its `exit_status`.
 
         The per-call caps (settings.limits: call_cpu_s, kernel_memory_mb through the kernel's cgroup, scratch_mb)
         are checked every CAP_CHECK_S while the code runs and, but CPU, once after; a call over one is stopped and
@@ -191,7 +247,12 @@ class Kernel:
         warm-up, reset) is held to the memory cap only: without cgroups, reading CPU time scans all of /proc.
         """
         started = time.perf_counter()
-        stdout, stderr = _Capture(settings.output_limit_chars), _Capture(settings.output_limit_chars)
+        if output_limit_bytes is None:
+            stdout, stderr = _Capture(settings.output_limit_chars), _Capture(settings.output_limit_chars)
+        else:
+            stdout, stderr = _Head(output_limit_bytes), _Head(output_limit_bytes)
+        files: dict[str, str] = {}
+        exit_status: int | None = None
         limits = settings.limits if user else dataclasses.replace(settings.limits, call_cpu_s=0.0, scratch_mb=0)
         caps = await _CallCaps.begin(self, timeout_s, limits)
         # stop_on_error=False: otherwise ipykernel may answer "aborted" to the call after an error or interrupt.
@@ -238,6 +299,7 @@ class Kernel:
             except queue.Empty:
                 if self.exited():
                     self.dead = True
+                    exit_status = self.exit_status()
                     await asyncio.to_thread(caps.meter.kill)  # what the kernel started dies with it, also here
                     status, error = caps.memory_exceeded() or (
                         "sandbox_error",
@@ -254,6 +316,8 @@ class Kernel:
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream":
                 (stdout if content.get("name") == "stdout" else stderr).add(content.get("text", ""))
+            elif kind == "display_data" and FETCH_MIME in content.get("data", {}):
+                files = content["data"][FETCH_MIME]
             elif kind in ("execute_result", "display_data"):
                 text = content.get("data", {}).get("text/plain")
                 if text is not None and kind == "execute_result":
@@ -278,7 +342,7 @@ class Kernel:
         if not self.dead and (over := await caps.exceeded(during=False)) is not None:
             status, error = over
         await self._drain_shell()
-        return RunResult(
+        result = RunResult(
             status=status,
             stdout=stdout.text(),
             stderr=stderr.text(),
@@ -286,6 +350,8 @@ class Kernel:
             truncated=stdout.truncated or stderr.truncated,
             duration_ms=(time.perf_counter() - started) * 1000,
         )
+        result._files, result._exit_status = files, exit_status if status == "sandbox_error" else None
+        return result
 
     async def _drain_shell(self) -> None:
         """Read the execute replies we do not need (iopub carries everything), so they do not pile up."""

@@ -12,7 +12,7 @@ import binascii
 from pathlib import PurePosixPath
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 Status = Literal["ok", "error", "timeout", "memory", "sandbox_error"]
 
@@ -48,6 +48,10 @@ class RunResult(BaseModel):
     timeout_capped: bool = Field(
         default=False, description="The request asked for more than the server's max_timeout_s, which applied instead."
     )
+    _files: dict[str, str] = PrivateAttr(default_factory=dict)
+    """Files a /run_code driver fetched ({path: base64}, kernel.Kernel.execute); not part of this response."""
+    _exit_status: int | None = PrivateAttr(default=None)
+    """For sandbox_error: the exit status of a kernel process that ended under the code (-N for signal N)."""
 
 
 class SessionCreated(BaseModel):
@@ -80,16 +84,21 @@ class RunCodeRequest(BaseModel):
     )
     memory_limit_MB: int = Field(  # noqa: N815 - SandboxFusion's field name
         default=-1,
-        description="Accepted and not enforced per call: the server's per-kernel memory limit applies.",
+        description="If > 0, the run may grow the interpreter's address space by at most this many MiB (a soft "
+        "RLIMIT_AS for the run; an allocation beyond it raises MemoryError); the server's own limits apply too.",
     )
-    stdin: str | None = Field(default=None, description="Text the code reads from sys.stdin and input().")
+    stdin: str | None = Field(
+        default=None, description="The code's standard input (file descriptor 0: input(), sys.stdin, open(0))."
+    )
     files: dict[str, str | None] = Field(
         default_factory=dict,
         description="Relative path -> base64 content, written into the working directory before the run; "
         "entries with null content are skipped.",
     )
     fetch_files: list[str] = Field(
-        default_factory=list, description="Not supported: must be empty (no files are returned)."
+        default_factory=list,
+        description="Paths (relative to the working directory, or absolute) of files to return after the run, "
+        "base64 in the response's `files`; a path that is not a regular file is left out.",
     )
 
     @field_validator("files")
@@ -110,11 +119,10 @@ class RunCodeRequest(BaseModel):
 
     @field_validator("fetch_files")
     @classmethod
-    def _no_fetch_files(cls, fetch_files: list[str]) -> list[str]:
-        if fetch_files:
-            raise ValueError(
-                f"fetch_files is not supported by this sandbox (asked for {fetch_files[:3]}); send an empty list"
-            )
+    def _fetch_paths_are_paths(cls, fetch_files: list[str]) -> list[str]:
+        for path in fetch_files:
+            if not path or "\0" in path:
+                raise ValueError(f"fetch_files: {path!r} is not a file path")
         return fetch_files
 
 
@@ -142,4 +150,6 @@ class RunCodeResponse(BaseModel):
     compile_result: CommandRunResult | None = Field(default=None, description="Always null: Python is not compiled.")
     run_result: CommandRunResult | None = None
     executor_pod_name: str | None = Field(default=None, description="Always null here (SandboxFusion's pod name).")
-    files: dict[str, str] = Field(default_factory=dict, description="Always empty: fetch_files is not supported.")
+    files: dict[str, str] = Field(
+        default_factory=dict, description="The request's fetch_files that were regular files after the run: base64."
+    )

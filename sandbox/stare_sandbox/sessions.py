@@ -96,11 +96,13 @@ def call_timeout(settings: PoolSettings, requested: float | None) -> tuple[float
     return min(wanted, settings.max_timeout_s), wanted > settings.max_timeout_s
 
 
-async def run_stateless(pool: KernelPool, code: str, timeout_s: float, wait_s: float | None = None) -> RunResult:
+async def run_stateless(
+    pool: KernelPool, code: str, timeout_s: float, wait_s: float | None = None, output_limit_bytes: int | None = None
+) -> RunResult:
     kernel = await pool.acquire(wait_s, stateless=True)
     kernel.runs += 1
     try:
-        return await kernel.execute(code, timeout_s, pool.settings)
+        return await kernel.execute(code, timeout_s, pool.settings, output_limit_bytes=output_limit_bytes)
     except BaseException:
         kernel.dead = True  # cancelled mid-run, the code may still be running: replace the kernel, do not reset it
         raise

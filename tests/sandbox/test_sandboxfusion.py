@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from stare_sandbox import sandboxfusion
+from stare_sandbox.schemas import RunResult
 
 from .test_service import Server, served_then_clean
 
@@ -81,6 +85,22 @@ PROGRAMS = {
     "input_at_eof": ("input()\n", None),
     "chained_error": ("try:\n    input()\nexcept EOFError as e:\n    raise ValueError('no input') from e\n", None),
     "stderr_write": ("import sys\nsys.stderr.write('warn\\n')\nprint('out')\n", None),
+    # standard input is file descriptor 0, as in a plain process
+    "open_0": ("data = open(0).read().split()\nprint(sum(map(int, data)))\n", "1 2\n3\n"),
+    "os_read_0": ("import os\nprint(os.read(0, 100))\n", "abc"),
+    "child_reads_stdin": (
+        "import subprocess, sys\n"
+        "child = [sys.executable, '-c', 'import sys; print(sys.stdin.read().upper())']\n"
+        "print(subprocess.run(child, capture_output=True, text=True).stdout, end='')\n",
+        "hello\n",
+    ),
+    "stdout_buffer": ("import sys\nsys.stdout.buffer.write('\u00e9\\n'.encode())\nprint('after')\n", None),
+    "argv_and_globals": ("import sys\nprint(sys.argv, [k for k in globals() if not k.startswith('__')])\n", None),
+    # the ends a plain process can have: os._exit after flushed output, a signal, a crash
+    "os_exit_zero": ("import os\nprint('hi', flush=True)\nos._exit(0)\nprint('not reached')\n", None),
+    "os_exit_status": ("import os, sys\nsys.stdout.write('x\\n')\nsys.stdout.flush()\nos._exit(7)\n", None),
+    "killed_by_signal": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", None),
+    "segfault": ("import ctypes\nctypes.string_at(0)\n", None),
 }
 
 
@@ -125,11 +145,25 @@ def test_run_timeout_above_the_maximum_is_capped_and_says_so(server: Server):
     assert reply["status"] == "Success" and "120 s" in reply["message"]  # the server's max_timeout_s
 
 
-def test_a_sandbox_failure_is_a_sandbox_error_never_a_result(server: Server):
+def test_after_the_kernel_dies_under_a_program_the_next_run_gets_a_fresh_one(server: Server):
     reply = run_code(server.url, "import ctypes\nctypes.string_at(0)\n")  # kills the kernel
-    assert reply["status"] == "SandboxError" and "KernelDied" in reply["message"]
-    assert reply["run_result"]["status"] == "Error" and reply["run_result"]["return_code"] is None
+    assert (reply["status"], reply["run_result"]["status"], reply["run_result"]["return_code"]) == (
+        "Failed",
+        "Finished",
+        -signal.SIGSEGV,
+    )
     assert run_code(server.url, "print('fresh')")["run_result"]["stdout"] == "fresh\n"
+
+
+def test_a_sandbox_failure_is_a_sandbox_error_never_a_result():
+    """A RunResult the sandbox failed (no kernel process ended under the code) is SandboxFusion's SandboxError."""
+    failed = RunResult(status="sandbox_error", error={"name": "SandboxClosed", "message": "shut down"}, duration_ms=3)
+    reply = sandboxfusion.response(failed)
+    assert (reply.status, reply.run_result.status, reply.run_result.return_code) == ("SandboxError", "Error", None)
+    assert reply.message == "SandboxClosed: shut down"
+    died = failed.model_copy()
+    died._exit_status = -9  # what Kernel.execute sets when the kernel's process ended under the code
+    assert sandboxfusion.response(died).run_result.return_code == -9
 
 
 def test_runs_share_nothing(server: Server):
@@ -153,7 +187,7 @@ def test_files_are_written_before_the_run(server: Server):
         ({"files": {"../up.txt": ""}}, "files", "relative path"),
         ({"files": {"/etc/x": ""}}, "files", "relative path"),
         ({"files": {"a.txt": "not base64!"}}, "files", "not valid base64"),
-        ({"fetch_files": ["out.txt"]}, "fetch_files", "not supported"),
+        ({"fetch_files": [""]}, "fetch_files", "not a file path"),
         ({"run_timeout": 0}, "run_timeout", "greater than 0"),
     ],
 )
@@ -177,14 +211,16 @@ def test_code_and_files_size_limits(server: Server):
     assert big_files.status_code == 413 and "files have 200000 base64 characters" in big_files.json()["detail"]
 
 
-def test_token_required_when_configured():
-    srv = Server("--pool-size", "1", env={"SANDBOX_TOKEN": "s3cret"}).start()
+def test_token_required_when_configured_and_the_output_cap_is_the_servers_to_set():
+    srv = Server("--pool-size", "1", "--run-code-output-limit-bytes", "1000", env={"SANDBOX_TOKEN": "s3cret"}).start()
     try:
         for token in (None, "wrong"):
             refused = post(srv.url, verl_payload("print(1)"), token=token)
             assert refused.status_code == 401 and "token" in refused.json()["detail"]
         accepted = post(srv.url, verl_payload("print(1)"), token="s3cret")
         assert accepted.status_code == 200 and accepted.json()["run_result"]["stdout"] == "1\n"
+        cut = post(srv.url, verl_payload("print('x' * 5000)"), token="s3cret").json()["run_result"]
+        assert cut["stdout"] == "x" * 1000
     finally:
         srv.stop()
 
@@ -193,3 +229,72 @@ def test_openapi_describes_run_code(server: Server):
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert {"200", "413", "422", "429"} <= set(spec["paths"]["/run_code"]["post"]["responses"])
     assert {"RunCodeRequest", "RunCodeResponse", "CommandRunResult"} <= set(spec["components"]["schemas"])
+
+
+# SandboxFusion parity: the official client (sandbox-fusion on PyPI) and verl's payload against the real server
+
+
+def official(url: str, code: str, **fields: object):
+    """A run through SandboxFusion's own client: its request model, its defaults, its parsing of our response."""
+    from sandbox_fusion import RunCodeRequest, run_code
+
+    return run_code(RunCodeRequest(code=code, language="python", **fields), endpoint=url, max_attempts=1)
+
+
+def test_the_official_client_runs_code_with_stdin_files_and_fetch_files(server: Server):
+    from sandbox_fusion import RunStatus
+
+    code = (
+        "import os\n"
+        "n = int(open(0).read())\n"
+        "open('out.txt', 'w').write(str(n * 2))\n"
+        "os.makedirs('d', exist_ok=True)\n"
+        "open('d/copy.bin', 'wb').write(open('in.bin', 'rb').read()[::-1])\n"
+        "print('done')\n"
+    )
+    files = {"in.bin": base64.b64encode(b"\x00\x01\xff").decode()}
+    fetch = ["out.txt", "missing.txt", "d/copy.bin", "d"]  # a missing file and a directory are left out
+    reply = official(server.url, code, stdin="21", files=files, fetch_files=fetch)
+    assert reply.status == RunStatus.Success and reply.run_result.stdout == "done\n"
+    assert {path: base64.b64decode(data) for path, data in reply.files.items()} == {
+        "out.txt": b"42",
+        "d/copy.bin": b"\xff\x01\x00",
+    }
+
+
+def test_files_are_fetched_after_a_time_limit_too(server: Server):
+    code = "open('partial.txt', 'w').write('so far')\nwhile True:\n    pass\n"
+    reply = run_code(server.url, code, run_timeout=1, fetch_files=["partial.txt"])
+    assert reply["run_result"]["status"] == "TimeLimitExceeded"
+    assert reply["files"] == {"partial.txt": base64.b64encode(b"so far").decode()}
+
+
+def test_the_official_client_sees_a_crash_as_the_programs_failure(server: Server):
+    from sandbox_fusion import RunStatus
+
+    # SandboxFusion's client retries a SandboxError: a crash must be the program's own result, as it is there
+    reply = official(server.url, "import os\nprint('bye', flush=True)\nos._exit(3)\n")
+    assert reply.status == RunStatus.Failed and reply.run_result.return_code == 3
+    assert reply.run_result.stdout == "bye\n"
+
+
+def test_memory_limit_mb_is_enforced_per_call_as_sandboxfusion_does(server: Server):
+    grab = "x = bytearray(300 * 2**20)\nprint('allocated')\n"
+    refused = run_code(server.url, grab, memory_limit_MB=64)  # verl's payload shape, a smaller limit
+    run = refused["run_result"]
+    assert (refused["status"], run["status"], run["return_code"], run["stdout"]) == ("Failed", "Finished", 1, "")
+    assert run["stderr"].endswith("MemoryError\n"), run["stderr"]
+    assert run_code(server.url, grab)["run_result"]["stdout"] == "allocated\n"  # verl's default 1024 MB
+    unlimited = run_code(server.url, grab, memory_limit_MB=-1)  # SandboxFusion's default: no per-call limit
+    assert unlimited["status"] == "Success"
+    # the limit is the run's growth, not the warm interpreter's size: numpy and a thread still work under it
+    small = run_code(server.url, "import threading, numpy as np\nt = threading.Thread(target=print, args=(1,))\n"
+                     "t.start(); t.join()\nprint(np.ones(1000).sum())\n", memory_limit_MB=64)  # fmt: skip
+    assert small["run_result"]["stdout"] == "1\n1000.0\n", small
+
+
+def test_each_stream_keeps_its_first_mebibyte(server: Server):
+    code = "import sys\nsys.stdout.write('a' * 1_500_000)\nsys.stderr.write('\\u00e9' * 600_000)\n"
+    run = run_code(server.url, code)["run_result"]
+    assert run["stdout"] == "a" * 2**20
+    assert run["stderr"] == "\u00e9" * (2**20 // 2)  # 2-byte characters: the first MiB is 524,288 of them
