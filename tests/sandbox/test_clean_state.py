@@ -82,41 +82,37 @@ def test_a_stateless_run_starts_from_the_state_the_one_before_found(one_kernel_p
     assert _leaks(before, after) == {}
 
 
-def test_a_new_session_starts_from_the_state_the_one_before_found(one_kernel_pool):
-    async def go() -> tuple[dict, dict]:
-        pool = KernelPool(one_kernel_pool)
+def _in_sessions(settings: PoolSettings, codes: tuple[str, ...], *, one_session: bool) -> list:
+    """The results of `codes` run in turn in one session, or each in a new session, on a pool of `settings`."""
+
+    async def go() -> list:
+        pool = KernelPool(settings)
         await pool.start()
         sessions = SessionStore(pool, max_sessions=1, idle_s=600)
+        results, session = [], None
         try:
-            results = []
-            for code in (CHECK, PATCH, CHECK):
-                session = await sessions.create()
+            for code in codes:
+                if session is None or not one_session:
+                    session = await sessions.create()
                 results.append(await sessions.execute(session, code, 30))
-                assert await sessions.close(session)
+                if not one_session:
+                    assert await sessions.close(session)
         finally:
             await pool.close()
-        assert results[1].stdout == "patched\n"
-        return _state(results[0].stdout), _state(results[2].stdout)
+        return results
 
-    before, after = asyncio.run(go())
-    assert _leaks(before, after) == {}
+    return asyncio.run(go())
+
+
+def test_a_new_session_starts_from_the_state_the_one_before_found(one_kernel_pool):
+    before, patched, after = _in_sessions(one_kernel_pool, (CHECK, PATCH, CHECK), one_session=False)
+    assert patched.stdout == "patched\n"
+    assert _leaks(_state(before.stdout), _state(after.stdout)) == {}
 
 
 def test_the_probes_do_change_the_state_they_probe(one_kernel_pool):
     """Within one session every probe's change is seen: a probe that changed nothing could not find a leak."""
-
-    async def go() -> tuple[dict, dict]:
-        pool = KernelPool(one_kernel_pool)
-        await pool.start()
-        sessions = SessionStore(pool, max_sessions=1, idle_s=600)
-        try:
-            session = await sessions.create()
-            before = _state((await sessions.execute(session, CHECK, 30)).stdout)
-            await sessions.execute(session, PATCH, 30)
-            after = _state((await sessions.execute(session, CHECK, 30)).stdout)
-        finally:
-            await pool.close()
-        return before, after
-
-    before, after = asyncio.run(go())
+    before, patched, after = _in_sessions(one_kernel_pool, (CHECK, PATCH, CHECK), one_session=True)
+    assert patched.stdout == "patched\n"
+    before, after = _state(before.stdout), _state(after.stdout)
     assert set(_leaks(before, after)) == set(before)
