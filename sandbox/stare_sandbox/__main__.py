@@ -23,6 +23,7 @@ from stare_sandbox.app import ServerSettings, create_app, open_files_needed, rai
 from stare_sandbox.configfile import ConfigError, load_config
 from stare_sandbox.isolation import IsolationMode, detect_isolation
 from stare_sandbox.ownership import RangeTaken, StateDirError, check_claimable
+from stare_sandbox.pool import CleanState
 
 SERVER_KEEPALIVE_S = 60.0
 """Seconds an idle HTTP connection stays open on the server; several times the clients' KEEPALIVE_S."""
@@ -41,6 +42,10 @@ FLAGS = {
     "max_starting": ("pool.max_starting", "kernels starting at once, in the background (0: no bound, as before)"),
     "queue_wait_s": ("pool.queue_wait_s", "seconds a call waits for a ready kernel; beyond it 503 with Retry-After"),
     "isolation": ("pool.isolation", "auto: namespaces where they work, else process"),
+    "clean_state": (
+        "pool.clean_state",
+        "fork: each stateless call and session in a process forked from a clean template; reset: the pool before",
+    ),
     "default_timeout_s": ("pool.default_timeout_s", "wall-clock limit of a call that names none"),
     "max_timeout_s": ("pool.max_timeout_s", "the largest timeout_s a call may ask for"),
     "output_limit_chars": ("pool.output_limit_chars", "stdout and stderr are each cut to this many characters"),
@@ -77,7 +82,8 @@ def build_parser(prog: str = "python -m stare_sandbox") -> argparse.ArgumentPars
         default = functools.reduce(lambda node, part: node[part], key.split("."), defaults)
         kind = str if isinstance(default, str) else float if isinstance(default, float) else int
         shown = "" if name == "token" else f" (default: {default})"
-        options = {"choices": list(get_args(IsolationMode))} if name == "isolation" else {}
+        choices = {"isolation": IsolationMode, "clean_state": CleanState}.get(name)
+        options = {"choices": list(get_args(choices))} if choices is not None else {}
         serve.add_argument(f"--{name.replace('_', '-')}", type=kind, help=text + shown, **options)
     return parser
 

@@ -244,9 +244,13 @@ def _namespace_problem() -> str | None:
         remove_scratch(scratch)
 
 
-def kernel_argv(isolation: Isolation, limits: Limits, uid: int | None, python: str = sys.executable) -> list[str]:
+def kernel_argv(
+    isolation: Isolation, limits: Limits, uid: int | None, python: str = sys.executable, template_warmup: str = ""
+) -> list[str]:
     """The kernelspec argv; "{connection_file}" occurs once and jupyter_client substitutes it.
 
+    With `template_warmup` (base64 warm-up code, stare_sandbox.template.encode_warmup) the kernel runs user code in
+    workers forked from a clean template (pool.clean_state: fork); without, it is plain ipykernel.
     With namespaces the kernel runs as `uid` (UID_BASE + slot, required); in process mode `uid` is
     ignored and the kernel runs as the server's uid. With `isolation.cgroup` and a uid range held
     (`isolation.uid_base`, set by the pool) the launcher puts the kernel in its own cgroup (`KernelCgroup`).
@@ -260,11 +264,20 @@ def kernel_argv(isolation: Isolation, limits: Limits, uid: int | None, python: s
             f"kernel could remount the file system writable; got {uid!r}"
         )
     group = range_group(isolation.uid_base) if isolation.cgroup and isolation.uid_base else None
-    return _launcher_argv(namespaces, limits, uid if namespaces else None, python, probe=False, group=group)
+    return _launcher_argv(
+        namespaces, limits, uid if namespaces else None, python, probe=False, group=group, warmup=template_warmup
+    )
 
 
 def _launcher_argv(
-    namespaces: bool, limits: Limits, uid: int | None, python: str, *, probe: bool, group: str | None = None
+    namespaces: bool,
+    limits: Limits,
+    uid: int | None,
+    python: str,
+    *,
+    probe: bool,
+    group: str | None = None,
+    warmup: str = "",
 ) -> list[str]:
     launch = [
         python,
@@ -277,6 +290,8 @@ def _launcher_argv(
     ]
     if group is not None:
         launch += [f"--cgroup-group={group}", f"--cgroup-memory-mb={limits.kernel_memory_mb}"]
+    if warmup:
+        launch.append(f"--template-warmup={warmup}")
     if probe:
         launch.append("--probe")
     die_with_owner = _die_with_parent(python)

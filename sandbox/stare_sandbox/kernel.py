@@ -23,6 +23,8 @@ from stare_sandbox.cgroups import Cgroups, range_group
 from stare_sandbox.isolation import UID_BASE, UID_RANGE_SIZE, KernelMeter, Limits, remove_scratch
 from stare_sandbox.sandboxfusion import FETCH_MIME, signal_status
 from stare_sandbox.schemas import ErrorInfo, RunResult
+from stare_sandbox.template import EXIT_ERROR as WORKER_EXIT_ERROR
+from stare_sandbox.template import WORKER_KEY
 
 if TYPE_CHECKING:
     from jupyter_client import AsyncKernelManager
@@ -234,9 +236,14 @@ class Kernel:
         *,
         user: bool = True,
         output_limit_bytes: int | None = None,
+        worker: str | None = None,
     ) -> RunResult:
         """Run `code`; never raises for anything the code does.
 
+        `worker` (a kernel of pool.clean_state fork): "call" runs it in a new worker forked from the kernel's
+        template, "session" in the kernel's session worker (started by its first call), "end" ends that worker;
+        None runs it in the kernel itself (stare_sandbox.template). A worker that dies under the code gives the
+        result a dead kernel's would (sandbox_error, its `exit_status`), but the kernel lives on.
         Each of stdout and stderr keeps settings.output_limit_chars characters (head and tail), or, given
         output_limit_bytes, its first that many bytes (/run_code, as SandboxFusion). Files a /run_code driver
         fetched come back in the result's `files`, and a kernel that died under the code gives its `exit_status`.
@@ -255,8 +262,7 @@ class Kernel:
         exit_status: int | None = None
         limits = settings.limits if user else dataclasses.replace(settings.limits, call_cpu_s=0.0, scratch_mb=0)
         caps = await _CallCaps.begin(self, timeout_s, limits)
-        # stop_on_error=False: otherwise ipykernel may answer "aborted" to the call after an error or interrupt.
-        msg_id = self.client.execute(code, silent=False, store_history=False, allow_stdin=False, stop_on_error=False)
+        msg_id = self._send_execute(code, worker)
         error: ErrorInfo | None = None
         status = "ok"
         deadline = time.monotonic() + timeout_s
@@ -326,7 +332,10 @@ class Kernel:
                 name = content.get("ename", "Error")
                 traceback = ANSI.sub("", "\n".join(content.get("traceback", [])))
                 error = ErrorInfo(name=name, message=content.get("evalue", ""), traceback=traceback)
-                if interrupted_at is not None and name == "KeyboardInterrupt":
+                if worker is not None and name == WORKER_EXIT_ERROR:
+                    status, error = "sandbox_error", _worker_died(content.get("evalue", ""))
+                    exit_status = _int_or_none(content.get("evalue", ""))
+                elif interrupted_at is not None and name == "KeyboardInterrupt":
                     status = "timeout"
                     error = ErrorInfo(
                         name="Timeout",
@@ -352,6 +361,23 @@ class Kernel:
         )
         result._files, result._exit_status = files, exit_status if status == "sandbox_error" else None
         return result
+
+    def _send_execute(self, code: str, worker: str | None) -> str:
+        """Send an execute request (its metadata names the worker, if any); its msg_id.
+
+        stop_on_error=False: otherwise ipykernel may answer "aborted" to the call after an error or interrupt."""
+        content = {
+            "code": code,
+            "silent": False,
+            "store_history": False,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": False,
+        }
+        metadata = {WORKER_KEY: worker} if worker is not None else {}
+        msg = self.client.session.msg("execute_request", content, metadata=metadata)
+        self.client.shell_channel.send(msg)
+        return msg["header"]["msg_id"]
 
     async def _drain_shell(self) -> None:
         """Read the execute replies we do not need (iopub carries everything), so they do not pile up."""
@@ -404,6 +430,21 @@ class Kernel:
             with contextlib.suppress(Exception):
                 process.wait(timeout=5)
         remove_scratch(self.scratch)
+
+
+def _worker_died(status: str) -> ErrorInfo:
+    return ErrorInfo(
+        name="KernelDied",
+        message=f"the process running this code exited (status {status}) before the code finished, e.g. a crash or "
+        "os._exit; all variables are lost and the next call starts from a clean interpreter",
+    )
+
+
+def _int_or_none(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def _cancel_requested() -> bool:

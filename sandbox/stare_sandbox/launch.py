@@ -17,7 +17,8 @@ connection file's directory. In namespace mode it runs as root inside the new na
 4. --uid: drops root for good (no groups, gid = uid, no-new-privileges).
 5. chdir to the scratch dir, environment replaced by isolation.kernel_env.
 6. the kernel: exec in place, or as PID 1 fork it and stay as its init (below); with --probe instead
-   a one-line JSON report of which fences hold.
+   a one-line JSON report of which fences hold. With --template-warmup the kernel is `stare_sandbox.template`
+   (user code in workers forked from a clean template, pool.clean_state: fork), else `ipykernel_launcher`.
 
 PID 1: in a PID namespace the launcher stays as PID 1, a minimal init: it forks the kernel, reaps
 every process orphaned in the namespace and exits with the kernel's status, which kills whatever is
@@ -105,20 +106,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(_probe_report(args, scratch)), flush=True)
         return 0
     if os.getpid() == 1:
-        return _init(connection_file, env)
+        return _init(connection_file, env, args.template_warmup)
     # The parent-death signal set before this launcher started survives the exec; ipykernel's poll of its
     # parent is the second guard (and the only one where there is no prctl).
-    kernel = _kernel_argv(connection_file, parent=os.getppid())
+    kernel = _kernel_argv(connection_file, parent=os.getppid(), template_warmup=args.template_warmup)
     _step(f"start the kernel {sys.executable}", os.execve, sys.executable, kernel, env)
     return 1  # not reached: execve replaced this process
 
 
-def _kernel_argv(connection_file: Path, parent: int) -> list[str]:
+def _kernel_argv(connection_file: Path, parent: int, template_warmup: str | None = None) -> list[str]:
     parent_flag = f"--IPKernelApp.parent_handle={parent}"  # 1: no parent to watch
-    return [sys.executable, "-m", "ipykernel_launcher", "-f", str(connection_file), parent_flag, *_KERNEL_ARGS]
+    kernel_args = ["-f", str(connection_file), parent_flag, *_KERNEL_ARGS]
+    if template_warmup is not None:  # pool.clean_state: fork (stare_sandbox.template)
+        return [sys.executable, "-m", "stare_sandbox.template", template_warmup, "--", *kernel_args]
+    return [sys.executable, "-m", "ipykernel_launcher", *kernel_args]
 
 
-def _init(connection_file: Path, env: dict[str, str]) -> int:
+def _init(connection_file: Path, env: dict[str, str], template_warmup: str | None = None) -> int:
     """PID 1 of the namespace: run the kernel as a child, reap every process, exit when the kernel does.
 
     The kernel must not be PID 1 itself: PID 1 ignores every signal it has no handler for, so the
@@ -133,7 +137,7 @@ def _init(connection_file: Path, env: dict[str, str]) -> int:
     if kernel == 0:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         try:
-            os.execve(sys.executable, _kernel_argv(connection_file, parent=1), env)
+            os.execve(sys.executable, _kernel_argv(connection_file, parent=1, template_warmup=template_warmup), env)
         except OSError as e:
             print(f"stare_sandbox.launch: cannot start the kernel {sys.executable}: {e}", file=sys.stderr, flush=True)
         os._exit(127)
@@ -163,6 +167,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cgroup-memory-mb", type=int, default=4096, help="the memory limit of that cgroup, MiB")
     parser.add_argument(
         "--readonly-root", action="store_true", help="read-only file system outside the scratch dir (needs root)"
+    )
+    parser.add_argument(
+        "--template-warmup",
+        help="run the kernel as stare_sandbox.template with this warm-up code (encode_warmup): user code in workers",
     )
     parser.add_argument("--probe", action="store_true", help="set everything up, print a JSON report, exit 0")
     parser.add_argument("connection_file", help="the kernel's connection file, inside its scratch dir")

@@ -1,13 +1,21 @@
 """The warm kernel pool: starts kernels ahead of demand, hands them out, resets or retires them after use.
 
 Every kernel (kernel.py) runs in its own scratch directory, under the isolation of `stare_sandbox.isolation`,
-with numpy and sympy imported before it is handed out. A stateful session (sessions.py) keeps one kernel
-(variables persist across calls). A stateless run takes a pooled kernel, runs the code, then wipes the
-kernel's namespace and scratch directory (`RESET_CODE`) before the kernel serves another run; a kernel
-is replaced after `stateless_reuse` runs or after anything unusual (timeout, death). Reset clears the
-user namespace, not the interpreter: modules stay imported, so a run that patches a module can
-affect later runs on the same kernel until it is replaced. Set `stateless_reuse = 0` for a fresh
-process every run (slower: one kernel start per call).
+with numpy and sympy imported before it is handed out. How user code finds a clean interpreter is
+`clean_state`:
+
+- `fork` (the default): the kernel is `stare_sandbox.template`. User code never runs in the kernel itself but in a
+  worker process forked from a clean template inside the kernel's fences: a stateless run gets a new worker that
+  exits after it, a stateful session (sessions.py) one worker for its life. Nothing a run changes in its interpreter
+  (modules, `sys` settings, builtins, environment, cwd, open files, threads, atexit and signal handlers) reaches a
+  later run or session. After a stateless run or a session the kernel empties its scratch dir (`RESET_CODE`) and
+  serves again; a session's kernel comes back to the pool like a stateless run's, so a new session needs no start;
+- `reset` (the pool before workers, kept as a baseline): a stateless run runs in the kernel, which then wipes its
+  namespace and scratch dir. Modules stay imported, so a run that patches a module affects later runs on the same
+  kernel until it is replaced; a session keeps its kernel and retires it afterwards.
+
+Either way a kernel is replaced after `stateless_reuse` runs or after anything unusual (timeout, death); set
+`stateless_reuse = 0` for a fresh process every run (slower: one kernel start per call).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar, get_args
 
 import zmq.asyncio
 from jupyter_client import AsyncKernelManager
@@ -58,9 +66,11 @@ from stare_sandbox.isolation import (
 from stare_sandbox.kernel import Kernel, KernelsBusy, SandboxError
 from stare_sandbox.ownership import Owner, check_uid_base, claim_uid_range
 from stare_sandbox.processes import kill_processes_with_home
+from stare_sandbox.template import encode_warmup
 
 log = logging.getLogger("sandbox")
 T = TypeVar("T")
+CleanState = Literal["fork", "reset"]
 
 # Runs after a stateless call: forget the user's names, empty the scratch dir, restore cwd (warm-up follows).
 # Not %reset: it runs a full gc.collect, ~70 ms with numpy and sympy loaded.
@@ -96,6 +106,11 @@ class PoolSettings:
     """Kernels alive at once: sessions plus the pool. Also the number of distinct kernel uids."""
     isolation: IsolationMode = "auto"
     """auto: namespaces where they work, else process isolation; namespaces: require them."""
+    clean_state: CleanState = "fork"
+    """fork: user code runs in processes forked from a clean template in each kernel, a new one per stateless run
+    and per session (nothing one run changes reaches another); reset: in the kernel itself, whose user namespace
+    and scratch dir are wiped after a stateless run (modules, sys settings and the like persist), a session
+    retiring its kernel (the pool before forked workers, kept as a baseline)."""
     limits: Limits = field(default_factory=Limits)
     """Per-kernel resource limits."""
     default_timeout_s: float = 10.0
@@ -150,6 +165,13 @@ class PoolSettings:
         if self.queue_wait_s <= 0:
             raise ValueError(f"queue_wait_s must be > 0; got {self.queue_wait_s}")
         check_uid_base(self.uid_base, self.max_kernels)
+        if self.clean_state not in get_args(CleanState):
+            raise ValueError(f"clean_state must be one of {', '.join(get_args(CleanState))}; got {self.clean_state!r}")
+
+    @property
+    def forks(self) -> bool:
+        """Whether user code runs in forked workers (clean_state fork)."""
+        return self.clean_state == "fork"
 
 
 class _SandboxKernelManager(AsyncKernelManager):
@@ -445,6 +467,9 @@ class KernelPool:
         RETIRE_CAUSES) is counted in retired_by_cause, unless the pool is closing."""
         if cause is not None and not self._closed:
             self.retired_by_cause[cause] += 1
+        if kernel.lent:  # it was counted as coming back (a session's kernel that died, with clean_state fork)
+            kernel.lent = False
+            self._lent -= 1
         await self._stop(kernel)
         self._free_slots.append(kernel.slot)
         self._refill()
@@ -577,7 +602,8 @@ class KernelPool:
             manager = _SandboxKernelManager(
                 kernel_name="sandbox", kernel_spec_manager=self._specs, context=zmq.asyncio.Context()
             )
-            manager.sandbox_argv = kernel_argv(self.isolation, self.settings.limits, uid)
+            warmup = encode_warmup(self.settings.warmup_code) if self.settings.forks else ""
+            manager.sandbox_argv = kernel_argv(self.isolation, self.settings.limits, uid, template_warmup=warmup)
             manager.transport = "ipc"
             manager.ip = str(scratch / "ipc")
             manager.connection_file = str(scratch / "kernel.json")

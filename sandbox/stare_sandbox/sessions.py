@@ -1,8 +1,10 @@
 """Stateful sessions, each holding one kernel of the pool, and the stateless run on a pooled kernel.
 
-A session's kernel keeps its variables across calls until the session is closed, expires or its kernel dies
-(the next call then gets a fresh kernel). Knows nothing about HTTP: the service (app.py) and the in-process
-client (inprocess.py) both call these.
+A session keeps its variables across calls until it is closed, expires or the process holding them dies (the next
+call then starts from a clean interpreter again). With `pool.clean_state: fork` the variables live in the session's
+worker, forked from its kernel's clean template by the first call; closing the session ends the worker and gives the
+kernel back to the pool. With `reset` they live in the kernel itself, which retires with the session. Knows
+nothing about HTTP: the service (app.py) and the in-process client (inprocess.py) both call these.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class SessionStore:
             raise SandboxError(f"the session limit ({self.max_sessions}) is reached")
         self._opening += 1
         try:
-            kernel = await self.pool.acquire(wait_s)
+            kernel = await self.pool.acquire(wait_s, stateless=self.pool.settings.forks)
         finally:
             self._opening -= 1
         session_id = uuid.uuid4().hex
@@ -59,9 +61,11 @@ class SessionStore:
         session = self._sessions[session_id]
         async with session.lock:
             session.last_used = time.monotonic()
+            settings = self.pool.settings
             if session.kernel is None:  # KernelsBusy here: the code has not run, the call may be retried
-                session.kernel = await self.pool.acquire(wait_s)
-            result = await session.kernel.execute(code, timeout_s, self.pool.settings)
+                session.kernel = await self.pool.acquire(wait_s, stateless=settings.forks)
+            worker = "session" if settings.forks else None
+            result = await session.kernel.execute(code, timeout_s, settings, worker=worker)
             if session.kernel.dead:
                 # Its slot is freed first and a new kernel taken only by the next call: acquiring one here could
                 # wait for the very slot the dead kernel holds (max_kernels) and lose this call's result.
@@ -75,8 +79,22 @@ class SessionStore:
         if session is None:
             return False
         async with session.lock:
-            if session.kernel is not None:
-                await self.pool.discard(session.kernel, "session")
+            kernel = session.kernel
+            if kernel is None:
+                return True
+            if not self.pool.settings.forks:
+                await self.pool.discard(kernel, "session")
+                return True
+            # The worker ends with the session; the kernel, which never ran the session's code, serves again.
+            kernel.runs += 1
+            try:
+                if not kernel.dead:
+                    await kernel.execute("", 30.0, self.pool.settings, user=False, worker="end")
+            except BaseException:
+                kernel.dead = True
+                raise
+            finally:
+                self.pool.give_back_later(kernel)
         return True
 
     async def expire(self) -> int:
@@ -101,8 +119,11 @@ async def run_stateless(
 ) -> RunResult:
     kernel = await pool.acquire(wait_s, stateless=True)
     kernel.runs += 1
+    worker = "call" if pool.settings.forks else None
     try:
-        return await kernel.execute(code, timeout_s, pool.settings, output_limit_bytes=output_limit_bytes)
+        return await kernel.execute(
+            code, timeout_s, pool.settings, output_limit_bytes=output_limit_bytes, worker=worker
+        )
     except BaseException:
         kernel.dead = True  # cancelled mid-run, the code may still be running: replace the kernel, do not reset it
         raise

@@ -8,6 +8,7 @@ call made before any probe ran.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -65,27 +66,41 @@ def one_kernel_pool(monkeypatch: pytest.MonkeyPatch):
     return PoolSettings(pool_size=1, max_kernels=1, stateless_reuse=100)
 
 
-@pytest.mark.xfail(strict=True, reason="a stateless run today resets the user namespace only (issue 29)")
-def test_a_stateless_run_starts_from_the_state_the_one_before_found(one_kernel_pool):
-    async def go() -> tuple[dict, dict]:
-        pool = KernelPool(one_kernel_pool)
-        await pool.start()
-        try:
-            before = _state((await run_stateless(pool, CHECK, 30)).stdout)
-            assert (await run_stateless(pool, PATCH, 30)).stdout == "patched\n"
-            after = _state((await run_stateless(pool, CHECK, 30)).stdout)
-        finally:
-            await pool.close()
-        return before, after
-
-    before, after = asyncio.run(go())
-    assert _leaks(before, after) == {}
-
-
-def _in_sessions(settings: PoolSettings, codes: tuple[str, ...], *, one_session: bool) -> list:
-    """The results of `codes` run in turn in one session, or each in a new session, on a pool of `settings`."""
+def _stateless(settings: PoolSettings, codes: tuple[str, ...]) -> list:
+    """The results of `codes` run in turn as stateless calls on a pool of `settings`."""
 
     async def go() -> list:
+        pool = KernelPool(settings)
+        await pool.start()
+        try:
+            return [await run_stateless(pool, code, 30) for code in codes]
+        finally:
+            await pool.close()
+
+    return asyncio.run(go())
+
+
+def test_a_stateless_run_starts_from_the_state_the_one_before_found(one_kernel_pool):
+    before, patched, after = _stateless(one_kernel_pool, (CHECK, PATCH, CHECK))
+    assert patched.stdout == "patched\n"
+    assert _leaks(_state(before.stdout), _state(after.stdout)) == {}
+
+
+def test_every_probe_but_the_working_directory_leaks_through_the_reset_pool(one_kernel_pool):
+    """clean_state reset (the pool before forked workers, kept as a baseline) wipes the user namespace and goes back
+    to the scratch dir after a run, nothing else: the probes find each other kind of state it leaves."""
+    settings = dataclasses.replace(one_kernel_pool, clean_state="reset")
+    before, patched, after = _stateless(settings, (CHECK, PATCH, CHECK))
+    assert patched.stdout == "patched\n"
+    before, after = _state(before.stdout), _state(after.stdout)
+    assert set(_leaks(before, after)) == set(before) - {"working_directory"}
+
+
+def _in_sessions(settings: PoolSettings, codes: tuple[str, ...], *, one_session: bool) -> tuple[list, int]:
+    """The results of `codes` run in turn in one session, or each in a new session, on a pool of `settings`; and
+    how many kernels the pool started."""
+
+    async def go() -> tuple[list, int]:
         pool = KernelPool(settings)
         await pool.start()
         sessions = SessionStore(pool, max_sessions=1, idle_s=600)
@@ -99,20 +114,29 @@ def _in_sessions(settings: PoolSettings, codes: tuple[str, ...], *, one_session:
                     assert await sessions.close(session)
         finally:
             await pool.close()
-        return results
+        return results, pool.kernels_started
 
     return asyncio.run(go())
 
 
 def test_a_new_session_starts_from_the_state_the_one_before_found(one_kernel_pool):
-    before, patched, after = _in_sessions(one_kernel_pool, (CHECK, PATCH, CHECK), one_session=False)
+    (before, patched, after), started = _in_sessions(one_kernel_pool, (CHECK, PATCH, CHECK), one_session=False)
     assert patched.stdout == "patched\n"
     assert _leaks(_state(before.stdout), _state(after.stdout)) == {}
+    assert started == 1  # each closed session's kernel served the next: a new session needs no kernel start
+
+
+def test_workers_are_forked_from_a_template_with_one_thread(one_kernel_pool):
+    """Every call runs in its own process, a child of the template, which has a single thread when it forks."""
+    code = "import os\nprint(os.getpid(), os.getppid(), len(os.listdir(f'/proc/{os.getppid()}/task')))"
+    first, second = (result.stdout.split() for result in _stateless(one_kernel_pool, (code, code)))
+    assert first[0] != second[0] and first[1] == second[1]  # two workers, one template
+    assert first[2] == second[2] == "1"
 
 
 def test_the_probes_do_change_the_state_they_probe(one_kernel_pool):
     """Within one session every probe's change is seen: a probe that changed nothing could not find a leak."""
-    before, patched, after = _in_sessions(one_kernel_pool, (CHECK, PATCH, CHECK), one_session=True)
+    (before, patched, after), _ = _in_sessions(one_kernel_pool, (CHECK, PATCH, CHECK), one_session=True)
     assert patched.stdout == "patched\n"
     before, after = _state(before.stdout), _state(after.stdout)
     assert set(_leaks(before, after)) == set(before)

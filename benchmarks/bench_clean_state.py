@@ -1,0 +1,220 @@
+"""Stateless calls and session starts on the pool with forked workers, against the pool before them, in one run.
+
+Two in-process kernel pools with the same settings but `clean_state` (stare_sandbox.pool):
+    fork   user code runs in a process forked from a clean template in the kernel (the default);
+    reset  user code runs in the kernel, which wipes its namespace after a stateless run and retires after a
+           session (the pool before forked workers).
+and, as the floor every clean design is compared with, a fresh `python -c` process per call.
+
+Cases, for each pool in turn (its kernels all warm before timing):
+    stateless     --calls calls of SNIPPET (sympy, as an agent's tool call), at concurrency 1 and --concurrency;
+                  latency p50/p99 in ms and calls/s.
+    session       --sessions tasks at once (the paper's episodes per engine: 64), each --rounds times opening a
+                  session, running `x = 1` in it and closing it. "ready" = from asking for the session to the
+                  answer of its first call (the reset pool starts a kernel for every session it retires).
+    kernel start  --starts times, one at a time: a call on a pool with no ready kernel (pool_size 0) waits for
+                  the kernel the pool starts for it; the time is that wait (process start, ipykernel, warm-up).
+    fresh process `sys.executable -c SNIPPET` per call, --calls calls, at the same concurrencies (stateless only).
+Ratios, the targets of the issue that asked for forked workers: stateless p50 fork / reset (at most 2), and
+session-ready p50 fork / the kernel start p50 (at most 0.1).
+
+Run: .venv/bin/python benchmarks/bench_clean_state.py [--json OUT]   (~4 min on 2 cores with the defaults)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from stare_sandbox.pool import KernelPool, PoolSettings
+from stare_sandbox.sessions import SessionStore, run_stateless
+
+SNIPPET = "import sympy\nx = sympy.symbols('x')\nprint(sympy.factor(x**2 - 1))\n"
+EXPECTED = "(x - 1)*(x + 1)\n"
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "n": len(ordered),
+        "p50": statistics.median(ordered),
+        "p99": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+    }
+
+
+async def warm_pool(settings: PoolSettings) -> KernelPool:
+    pool = KernelPool(settings)
+    await pool.start()
+    deadline = time.monotonic() + 600
+    while pool.ready_count < settings.pool_size:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the pool did not warm up: {pool.ready_count} of {settings.pool_size} kernels ready")
+        await asyncio.sleep(0.2)
+    return pool
+
+
+async def stateless(pool: KernelPool, calls: int, concurrency: int) -> dict:
+    latencies: list[float] = []
+    bad = 0
+    todo = iter(range(calls))
+
+    async def task() -> None:
+        nonlocal bad
+        for _ in todo:
+            began = time.perf_counter()
+            result = await run_stateless(pool, SNIPPET, 30)
+            latencies.append((time.perf_counter() - began) * 1000)
+            bad += result.status != "ok" or result.stdout != EXPECTED
+
+    for _ in range(3):  # warm-up
+        await run_stateless(pool, SNIPPET, 30)
+    began = time.perf_counter()
+    await asyncio.gather(*(task() for _ in range(concurrency)))
+    wall = time.perf_counter() - began
+    return {**quantiles(latencies), "calls_per_s": calls / wall, "bad": bad}
+
+
+async def sessions(pool: KernelPool, tasks: int, rounds: int) -> dict:
+    store = SessionStore(pool, max_sessions=tasks, idle_s=600)
+    ready: list[float] = []
+    bad = 0
+
+    async def task() -> None:
+        nonlocal bad
+        for _ in range(rounds):
+            began = time.perf_counter()
+            session = await store.create(wait_s=120)
+            result = await store.execute(session, "x = 1", 30)
+            ready.append((time.perf_counter() - began) * 1000)
+            bad += result.status != "ok"
+            await store.close(session)
+
+    began = time.perf_counter()
+    await asyncio.gather(*(task() for _ in range(tasks)))
+    wall = time.perf_counter() - began
+    return {**quantiles(ready), "sessions_per_s": tasks * rounds / wall, "bad": bad}
+
+
+async def kernel_starts(settings: PoolSettings, starts: int) -> dict:
+    pool = KernelPool(dataclasses.replace(settings, pool_size=0, max_kernels=2))
+    await pool.start()
+    waits = []
+    try:
+        for _ in range(starts):
+            began = time.perf_counter()
+            kernel = await pool.acquire(wait_s=120)
+            waits.append((time.perf_counter() - began) * 1000)
+            await pool.discard(kernel)
+    finally:
+        await pool.close()
+    return quantiles(waits)
+
+
+def fresh_processes(calls: int, concurrency: int) -> dict:
+    def one(_: int) -> tuple[float, bool]:
+        began = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True)
+        return (time.perf_counter() - began) * 1000, done.stdout == EXPECTED
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as executor:
+        results = list(executor.map(one, range(calls)))
+    wall = time.perf_counter() - began
+    return {
+        **quantiles([ms for ms, _ in results]),
+        "calls_per_s": calls / wall,
+        "bad": sum(not ok for _, ok in results),
+    }
+
+
+async def bench(args: argparse.Namespace) -> dict:
+    out: dict = {"snippet": SNIPPET, "args": vars(args), "pools": {}}
+    for mode in ("reset", "fork"):
+        base = PoolSettings(
+            pool_size=args.sessions, max_kernels=args.sessions + 8, clean_state=mode, isolation=args.isolation
+        )
+        row: dict = {"load_before": os.getloadavg()[0]}
+        row["kernel_start"] = await kernel_starts(base, args.starts)
+        pool = await warm_pool(base)
+        try:
+            row["stateless_c1"] = await stateless(pool, args.calls, 1)
+            row[f"stateless_c{args.concurrency}"] = await stateless(pool, args.calls, args.concurrency)
+            row[f"session_c{args.sessions}"] = await sessions(pool, args.sessions, args.rounds)
+            row["kernels_started"] = pool.kernels_started
+        finally:
+            await pool.close()
+        row["load_after"] = os.getloadavg()[0]
+        out["pools"][mode] = row
+        print(mode, json.dumps(row), flush=True)
+    fresh: dict = {}
+    for concurrency in (1, args.concurrency):
+        fresh[f"c{concurrency}"] = fresh_processes(args.calls, concurrency)
+    out["fresh_process"] = fresh
+    fork, reset = out["pools"]["fork"], out["pools"]["reset"]
+    out["ratios"] = {
+        "stateless_p50_fork_over_reset_c1": fork["stateless_c1"]["p50"] / reset["stateless_c1"]["p50"],
+        f"stateless_p50_fork_over_reset_c{args.concurrency}": fork[f"stateless_c{args.concurrency}"]["p50"]
+        / reset[f"stateless_c{args.concurrency}"]["p50"],
+        "session_ready_p50_fork_over_kernel_start": fork[f"session_c{args.sessions}"]["p50"]
+        / fork["kernel_start"]["p50"],
+        "session_ready_p50_reset_over_kernel_start": reset[f"session_c{args.sessions}"]["p50"]
+        / reset["kernel_start"]["p50"],
+    }
+    return out
+
+
+def report(out: dict, args: argparse.Namespace) -> None:
+    c, s = args.concurrency, args.sessions
+    print("\n| case | reset pool | forked workers | fresh process |")
+    print("|---|---:|---:|---:|")
+    fork, reset, fresh = out["pools"]["fork"], out["pools"]["reset"], out["fresh_process"]
+    for key, label in (("stateless_c1", "stateless, 1 at a time"), (f"stateless_c{c}", f"stateless, {c} at once")):
+        cells = [f"{p[key]['p50']:.1f} / {p[key]['p99']:.1f} ms, {p[key]['calls_per_s']:.0f}/s" for p in (reset, fork)]
+        f = fresh[key.replace("stateless_", "")]
+        print(f"| {label} (p50 / p99, calls/s) | {cells[0]} | {cells[1]} | {f['p50']:.1f} / {f['p99']:.1f} ms, "
+              f"{f['calls_per_s']:.0f}/s |")  # fmt: skip
+    key = f"session_c{s}"
+    cells = [f"{p[key]['p50']:.1f} / {p[key]['p99']:.1f} ms, {p[key]['sessions_per_s']:.1f}/s" for p in (reset, fork)]
+    print(f"| session ready, {s} at once (p50 / p99, sessions/s) | {cells[0]} | {cells[1]} | |")
+    cells = [f"{p['kernel_start']['p50']:.0f} / {p['kernel_start']['p99']:.0f} ms" for p in (reset, fork)]
+    print(f"| kernel start (p50 / p99) | {cells[0]} | {cells[1]} | |")
+    print(f"| kernels started in all | {reset['kernels_started']} | {fork['kernels_started']} | |")
+    bad = sum(p[k]["bad"] for p in (reset, fork) for k in p if isinstance(p[k], dict) and "bad" in p[k])
+    print(f"\nbad calls (not ok, or wrong output): {bad + sum(f['bad'] for f in fresh.values())}")
+    print(
+        "1-minute load average before / after each pool (its own kernels included): "
+        f"reset {reset['load_before']:.2f} / {reset['load_after']:.2f}, fork {fork['load_before']:.2f} / "
+        f"{fork['load_after']:.2f}"
+    )
+    for name, value in out["ratios"].items():
+        print(f"{name}: {value:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200, help="stateless calls per case")
+    parser.add_argument("--concurrency", type=int, default=8, help="the second stateless concurrency")
+    parser.add_argument("--sessions", type=int, default=64, help="sessions opened at once (and warm kernels)")
+    parser.add_argument("--rounds", type=int, default=3, help="sessions each task opens in turn")
+    parser.add_argument("--starts", type=int, default=8, help="kernel starts timed")
+    parser.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "process"])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    out = asyncio.run(bench(args))
+    report(out, args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

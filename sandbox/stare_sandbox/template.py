@@ -1,0 +1,454 @@
+"""A kernel whose user code runs in processes forked from a clean, thread-free template (`pool.clean_state: fork`).
+
+`python -m stare_sandbox.template WARMUP_B64 -- IPYKERNEL_ARGS` is what the launcher (launch.py) starts in place of
+`ipykernel_launcher`, inside the kernel's fences. Before any thread exists it runs the pool's warm-up code (numpy
+and sympy imported) and forks:
+
+- the **template** (the child) never runs user code. It waits on a socket for requests from the kernel and answers
+  each by forking a **worker**, a copy-on-write copy of its own clean state: its modules, `sys` settings, builtins,
+  environment, working directory, open files, signal handlers and atexit list are those the template had after the
+  warm-up, whatever earlier workers did. It has one thread when it forks (checked before every fork: a fork copies
+  only the forking thread, so a lock another thread held would stay locked in the worker forever);
+- the **kernel** (the parent) then runs ipykernel as before (`RelayKernel`). A request whose metadata names a worker
+  mode is relayed: `call` runs the code in a new worker that exits after it (a stateless run), `session` in the
+  kernel's one session worker, started by its first call and kept until `end` (variables persist within it). Other
+  requests (the pool's own warm-up and reset) run in the kernel itself, as in `reset` mode.
+
+A worker inherits every fence of its kernel (namespaces, uid, rlimits, cgroup): it is a process of the same kernel,
+in the same process group, so the pool's interrupt, caps and kill reach it as they reach the kernel. Its fd 1 and 2
+are pipes the kernel reads and republishes as stream output (also what its child processes print), its fd 0 is
+/dev/null, and it talks to the kernel over a socket: the cell's code in, then a "done" message with the cell's
+error, if any, and the display messages that must reach the client (fetched files). It runs the cell with IPython's
+`run_cell` (magics, the last expression's value printed), as the kernel would. The template and every worker get
+the parent-death signal: a kernel that dies takes its template and workers with it.
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import ctypes
+import io
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+WORKER_KEY = "stare_worker"
+"""The execute request's metadata key that asks for a worker: its value is one of WORKER_MODES."""
+WORKER_MODES = ("call", "session", "end")
+EXIT_ERROR = "_SandboxWorkerExited"
+"""The error the kernel reports when the worker running a cell ended without finishing it; its message is the
+worker's exit status as subprocess gives it (-N for signal N)."""
+_FRAME = 8  # bytes of the length before each message on a worker socket
+_PR_SET_PDEATHSIG = 1
+
+
+def encode_warmup(code: str) -> str:
+    """The warm-up code as one argv word (never empty, never starting with a dash)."""
+    return "w" + base64.urlsafe_b64encode(code.encode()).decode("ascii")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or argv[1] != "--":
+        raise SystemExit("usage: python -m stare_sandbox.template WARMUP_B64 -- IPYKERNEL_ARGS")
+    warmup = base64.urlsafe_b64decode(argv[0][1:]).decode()
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    try:
+        exec(compile(warmup, "<warm-up>", "exec"), namespace)  # noqa: S102 - the pool's own code
+    except Exception:  # noqa: S110 - the pool's own run of it in the kernel fails the same way, and says why
+        pass
+    import IPython.core.interactiveshell  # noqa: F401 - imported once here, shared by every worker
+
+    kernel_end, template_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    kernel_pid = os.getpid()
+    if os.fork() == 0:
+        kernel_end.close()
+        _die_with_parent(kernel_pid)
+        Template(template_end, namespace).serve()
+        os._exit(0)
+    template_end.close()
+    from ipykernel.kernelapp import IPKernelApp
+
+    IPKernelApp.launch_instance(argv=argv[2:], kernel_class=relay_kernel_class(_TemplateLink(kernel_end)))
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL when the parent (its forking thread) ends; exit now if it is gone already."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
+def thread_count() -> int:
+    """Threads of this process, those Python did not start too (from /proc where it exists)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+class Template:
+    """The clean interpreter workers are forked from; serves the kernel's requests until the kernel goes."""
+
+    def __init__(self, sock: socket.socket, namespace: dict[str, Any]):
+        from IPython.core.interactiveshell import InteractiveShell
+
+        self.sock = sock
+        self.kernel = os.getppid()
+        # the kernel's parent is PID 1 only inside the kernel's own PID namespace (launch.py's init)
+        self.own_namespace = _parent_of(self.kernel) == 1
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool interrupts the kernel's whole process group
+        # No history database (it would start a thread and write outside the scratch dir).
+        from traitlets.config import Config
+
+        config = Config()
+        config.HistoryManager.enabled = False
+        self.shell = InteractiveShell.instance(config=config, user_ns=namespace)
+        self.workers: set[int] = set()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(self.wake_w)
+
+    def serve(self) -> None:
+        while True:
+            readable, _, _ = select.select([self.sock, self.wake_r], [], [])
+            if self.wake_r in readable:
+                while os.read(self.wake_r, 512) == 512:
+                    pass
+                self._reap()
+            if self.sock in readable:
+                data, fds, _, _ = socket.recv_fds(self.sock, 4096, 3)
+                if not data:
+                    return  # the kernel is gone
+                self._spawn(json.loads(data), fds)
+
+    def _reap(self) -> None:
+        while self.workers:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.workers.discard(pid)
+            self._sweep()
+            self.sock.send(json.dumps({"exited": pid, "status": os.waitstatus_to_exitcode(status)}).encode())
+
+    def _sweep(self) -> None:
+        """SIGKILL what ended workers left running: every process of the kernel's session (with a PID namespace: of
+        the namespace) but the init, the kernel, this template, the live workers and their own children."""
+        keep = {1, os.getpid(), self.kernel, *self.workers}
+        session = os.getsid(0)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in keep:
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+            parent, sid = int(fields[1]), int(fields[3])
+            if parent in self.workers or (sid != session and not self.own_namespace):
+                continue
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                pass
+
+    def _spawn(self, request: dict, fds: list[int]) -> None:
+        threads = thread_count()
+        if threads != 1 or len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            why = f"the template has {threads} threads" if threads != 1 else f"{len(fds)} file descriptors came"
+            self.sock.send(json.dumps({"refused": why}).encode())
+            return
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _Worker(self, fds, session=request.get("mode") == "session").serve()
+            finally:
+                os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        self.workers.add(pid)
+        self.sock.send(json.dumps({"spawned": pid}).encode())
+
+
+class _Worker:
+    """Runs cells on a copy of the template: one (a stateless call), or until the kernel ends it (a session)."""
+
+    def __init__(self, template: Template, fds: list[int], *, session: bool):
+        out, err, control = fds
+        _die_with_parent(os.getppid())
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        template.sock.close()
+        os.close(template.wake_r)
+        os.close(template.wake_w)
+        null = os.open(os.devnull, os.O_RDONLY)
+        for source, target in ((null, 0), (out, 1), (err, 2)):
+            os.dup2(source, target)
+            os.close(source)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "rb", closefd=False), encoding="utf-8")
+        sys.stdout = sys.__stdout__ = _text_stream(1)
+        sys.stderr = sys.__stderr__ = _text_stream(2)
+        self.conn = socket.socket(fileno=control)
+        self.session = session
+        self.shell = template.shell
+        self.error: dict | None = None
+        self.displays: list[dict] = []
+        self._hook_shell()
+
+    def _hook_shell(self) -> None:
+        shell, worker = self.shell, self
+
+        def show_traceback(etype: type, evalue: BaseException, stb: list[str]) -> None:
+            worker.error = {"ename": etype.__name__, "evalue": str(evalue), "traceback": stb}
+
+        def publish(data: dict, metadata: dict | None = None, **_: Any) -> None:
+            worker.displays.append({"data": data, "metadata": metadata or {}})
+
+        shell._showtraceback = show_traceback
+        shell.display_pub.publish = publish
+        hook = shell.displayhook
+
+        hook.write_output_prompt = lambda: None
+        hook.write_format_data = lambda format_dict, md_dict=None: print(format_dict.get("text/plain", ""))
+
+    def serve(self) -> None:
+        while True:
+            request = _receive(self.conn)
+            if request is None:
+                return
+            self.error, self.displays = None, []
+            self.shell.run_cell(request["code"], store_history=False, silent=False)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: S110 - the code closed or replaced it: nothing left to flush
+                    pass
+            _send(self.conn, {"done": True, "error": self.error, "displays": self.displays})
+            if not self.session:
+                return
+
+
+def _text_stream(fd: int) -> io.TextIOWrapper:
+    return io.TextIOWrapper(
+        io.FileIO(fd, "wb", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+    )
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    data = json.dumps(message).encode()
+    conn.sendall(len(data).to_bytes(_FRAME, "big") + data)
+
+
+def _receive(conn: socket.socket) -> dict | None:
+    """The next message, or None at the end of the stream."""
+    head = _exactly(conn, _FRAME)
+    if head is None:
+        return None
+    body = _exactly(conn, int.from_bytes(head, "big"))
+    return None if body is None else json.loads(body)
+
+
+def _exactly(conn: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+class _TemplateLink:
+    """The kernel's end of the template's socket: asks for workers and keeps the exit statuses it is told."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.exits: dict[int, int] = {}
+
+    def spawn(self, mode: str, fds: list[int]) -> int:
+        socket.send_fds(self.sock, [json.dumps({"mode": mode}).encode()], fds)
+        while True:
+            reply = self._next(None)
+            if "spawned" in reply:
+                return reply["spawned"]
+            if "refused" in reply:
+                raise RuntimeError(f"the template refused to fork a worker: {reply['refused']}")
+
+    def exit_status(self, pid: int, wait_s: float) -> int | None:
+        """The worker's exit status, waiting up to `wait_s` for the template to report it; None if it did not."""
+        while pid not in self.exits:
+            if self._next(wait_s) is None:
+                return None
+        return self.exits.pop(pid)
+
+    def _next(self, wait_s: float | None) -> dict | None:
+        readable, _, _ = select.select([self.sock], [], [], wait_s)
+        if not readable:
+            return None
+        data = self.sock.recv(4096)
+        if not data:
+            raise RuntimeError("the template process is gone")
+        reply = json.loads(data)
+        if "exited" in reply:
+            self.exits[reply["exited"]] = reply["status"]
+        return reply
+
+
+class _Relay:
+    """The kernel's side of one worker: its output pipes and its socket."""
+
+    def __init__(self, link: _TemplateLink, mode: str):
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.pid = link.spawn(mode, [out_w, err_w, theirs.fileno()])
+        finally:
+            for fd in (out_w, err_w):
+                os.close(fd)
+            theirs.close()
+        self.link, self.conn = link, mine
+        self.streams = {out_r: (sys.stdout, _decoder()), err_r: (sys.stderr, _decoder())}
+        for fd in self.streams:
+            os.set_blocking(fd, False)
+
+    def run(self, code: str) -> dict:
+        """Send the cell and relay its output until it is done; the worker's report, or an EXIT_ERROR one."""
+        _send(self.conn, {"code": code})
+        # The pool's interrupt reaches the worker itself (one process group): here it must not end the relay.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, lambda *_: None) if main else None
+        try:
+            while True:
+                readable, _, _ = select.select([*self.streams, self.conn], [], [])
+                self._pump([fd for fd in readable if fd in self.streams])
+                if self.conn in readable:
+                    report = _receive(self.conn)
+                    self._pump(list(self.streams))
+                    if report is None:
+                        return self._ended()
+                    return report
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+
+    def _pump(self, fds: list[int]) -> None:
+        for fd in fds:
+            stream, decoder = self.streams[fd]
+            while True:
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    break
+                if not data:
+                    break
+                stream.write(decoder.decode(data))
+            stream.flush()
+
+    def _ended(self) -> dict:
+        status = self.link.exit_status(self.pid, 5.0)
+        self.close()
+        return {"error": {"ename": EXIT_ERROR, "evalue": str(status), "traceback": []}, "displays": []}
+
+    def close(self) -> None:
+        """End the worker (a session's, or one that is stuck) and free this side's descriptors."""
+        if self.conn.fileno() < 0:
+            return
+        self.conn.close()
+        for fd in self.streams:
+            os.close(fd)
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")("replace")
+
+
+def relay_kernel_class(link: _TemplateLink) -> type:
+    """ipykernel's kernel, relaying the cells that ask for a worker (WORKER_KEY in their metadata) to one.
+
+    Built here, not at import, so that the pool can import this module's constants without importing ipykernel."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    class RelayKernel(IPythonKernel):
+        template = link
+        _session: _Relay | None = None
+
+        async def do_execute(self, code, silent, store_history=True, user_expressions=None, allow_stdin=False, **kw):
+            mode = (kw.get("cell_meta") or {}).get(WORKER_KEY)
+            if mode not in WORKER_MODES:
+                return await super().do_execute(code, silent, store_history, user_expressions, allow_stdin, **kw)
+            if mode == "end":
+                self._end_session()
+                return self._reply(None)
+            relay = self._session if mode == "session" else None
+            if relay is None:
+                relay = _Relay(self.template, mode)
+                if mode == "session":
+                    self._session = relay
+            try:
+                report = relay.run(code)
+            finally:
+                if mode == "call":
+                    relay.close()
+            error = report["error"]
+            if mode == "session" and error is not None and error["ename"] == EXIT_ERROR:
+                self._session = None  # it died: the next call starts a new one
+            for display in report["displays"]:
+                content = {"data": display["data"], "metadata": display["metadata"], "transient": {}}
+                self._publish("display_data", content)
+            if error is not None:
+                self._publish("error", error)
+            return self._reply(error)
+
+        def _publish(self, kind: str, content: dict) -> None:
+            self.session.send(self.iopub_socket, kind, content, parent=self.get_parent(), ident=self._topic(kind))
+
+        def _end_session(self) -> None:
+            if self._session is not None:
+                relay, self._session = self._session, None
+                relay.close()
+                self.template.exit_status(relay.pid, 5.0)
+
+        def _reply(self, error: dict | None) -> dict:
+            reply = {"status": "ok" if error is None else "error", "execution_count": self.execution_count}
+            if error is None:
+                reply.update(payload=[], user_expressions={})
+            else:
+                reply.update(error)
+            return reply
+
+    return RelayKernel
+
+
+if __name__ == "__main__":
+    main()
