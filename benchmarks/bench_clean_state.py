@@ -6,15 +6,17 @@ Two in-process kernel pools with the same settings but `clean_state` (stare_sand
            session (the pool before forked workers).
 and, as the floor every clean design is compared with, a fresh `python -c` process per call.
 
-Cases, for each pool in turn (its kernels all warm before timing):
-    stateless     --calls calls of SNIPPET (sympy, as an agent's tool call), at concurrency 1 and --concurrency;
-                  latency p50/p99 in ms and calls/s.
-    session       --sessions tasks at once (the paper's episodes per engine: 64), each --rounds times opening a
+Cases (kernels all warm before timing):
+    stateless     --calls calls of SNIPPET (sympy, as an agent's tool call) on each pool, at concurrency 1 and
+                  --concurrency, in --rounds batches alternating between the two pools (both alive, so both see
+                  the same load); latency p50/p99 in ms and calls/s.
+    session       each pool in turn: --sessions tasks at once (the paper's episodes per engine: 64), each
+                  --session-rounds times opening a
                   session, running `x = 1` in it and closing it. "ready" = from asking for the session to the
                   answer of its first call (the reset pool starts a kernel for every session it retires).
     kernel start  --starts times, one at a time: a call on a pool with no ready kernel (pool_size 0) waits for
                   the kernel the pool starts for it; the time is that wait (process start, ipykernel, warm-up).
-    fresh process `sys.executable -c SNIPPET` per call, --calls calls, at the same concurrencies (stateless only).
+    fresh process `sys.executable -c SNIPPET` per call, --calls / 4 calls, at the same concurrencies.
 Ratios, the targets of the issue that asked for forked workers: stateless p50 fork / reset (at most 2), and
 session-ready p50 fork / the kernel start p50 (at most 0.1).
 
@@ -62,25 +64,36 @@ async def warm_pool(settings: PoolSettings) -> KernelPool:
     return pool
 
 
-async def stateless(pool: KernelPool, calls: int, concurrency: int) -> dict:
-    latencies: list[float] = []
-    bad = 0
-    todo = iter(range(calls))
+async def stateless(pools: dict[str, KernelPool], calls: int, concurrency: int, rounds: int) -> dict[str, dict]:
+    """`calls` calls on each pool, in `rounds` interleaved batches (so both see the same load drift)."""
+    latencies: dict[str, list[float]] = {mode: [] for mode in pools}
+    bad = dict.fromkeys(pools, 0)
+    wall = dict.fromkeys(pools, 0.0)
 
-    async def task() -> None:
-        nonlocal bad
-        for _ in todo:
-            began = time.perf_counter()
-            result = await run_stateless(pool, SNIPPET, 30)
-            latencies.append((time.perf_counter() - began) * 1000)
-            bad += result.status != "ok" or result.stdout != EXPECTED
+    async def batch(mode: str, count: int) -> None:
+        todo = iter(range(count))
 
-    for _ in range(3):  # warm-up
-        await run_stateless(pool, SNIPPET, 30)
-    began = time.perf_counter()
-    await asyncio.gather(*(task() for _ in range(concurrency)))
-    wall = time.perf_counter() - began
-    return {**quantiles(latencies), "calls_per_s": calls / wall, "bad": bad}
+        async def task() -> None:
+            for _ in todo:
+                began = time.perf_counter()
+                result = await run_stateless(pools[mode], SNIPPET, 30)
+                latencies[mode].append((time.perf_counter() - began) * 1000)
+                bad[mode] += result.status != "ok" or result.stdout != EXPECTED
+
+        began = time.perf_counter()
+        await asyncio.gather(*(task() for _ in range(concurrency)))
+        wall[mode] += time.perf_counter() - began
+
+    for mode in pools:  # warm-up
+        for _ in range(3):
+            await run_stateless(pools[mode], SNIPPET, 30)
+    for _ in range(rounds):
+        for mode in pools:
+            await batch(mode, calls // rounds)
+    return {
+        mode: {**quantiles(latencies[mode]), "calls_per_s": len(latencies[mode]) / wall[mode], "bad": bad[mode]}
+        for mode in pools
+    }
 
 
 async def sessions(pool: KernelPool, tasks: int, rounds: int) -> dict:
@@ -137,29 +150,38 @@ def fresh_processes(calls: int, concurrency: int) -> dict:
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    out: dict = {"snippet": SNIPPET, "args": vars(args), "pools": {}}
-    for mode in ("reset", "fork"):
-        base = PoolSettings(
-            pool_size=args.sessions, max_kernels=args.sessions + 8, clean_state=mode, isolation=args.isolation
-        )
-        row: dict = {"load_before": os.getloadavg()[0]}
-        row["kernel_start"] = await kernel_starts(base, args.starts)
-        pool = await warm_pool(base)
+    out: dict = {"snippet": SNIPPET, "args": {k: str(v) for k, v in vars(args).items()}, "pools": {}}
+    modes = ("reset", "fork")
+
+    def settings(mode: str, size: int) -> PoolSettings:
+        return PoolSettings(pool_size=size, max_kernels=size + 8, clean_state=mode, isolation=args.isolation)
+
+    rows: dict[str, dict] = {mode: {"load_before": os.getloadavg()[0]} for mode in modes}
+    for mode in modes:
+        rows[mode]["kernel_start"] = await kernel_starts(settings(mode, 0), args.starts)
+    pools = {mode: await warm_pool(settings(mode, args.concurrency)) for mode in modes}
+    try:
+        for concurrency in (1, args.concurrency):
+            for mode, result in (await stateless(pools, args.calls, concurrency, args.rounds)).items():
+                rows[mode][f"stateless_c{concurrency}"] = result
+    finally:
+        for pool in pools.values():
+            await pool.close()
+    for mode in modes:
+        pool = await warm_pool(settings(mode, args.sessions))
         try:
-            row["stateless_c1"] = await stateless(pool, args.calls, 1)
-            row[f"stateless_c{args.concurrency}"] = await stateless(pool, args.calls, args.concurrency)
-            row[f"session_c{args.sessions}"] = await sessions(pool, args.sessions, args.rounds)
-            row["kernels_started"] = pool.kernels_started
+            rows[mode][f"session_c{args.sessions}"] = await sessions(pool, args.sessions, args.session_rounds)
+            rows[mode]["kernels_started"] = pool.kernels_started
         finally:
             await pool.close()
-        row["load_after"] = os.getloadavg()[0]
-        out["pools"][mode] = row
-        print(mode, json.dumps(row), flush=True)
+        rows[mode]["load_after"] = os.getloadavg()[0]
+        print(mode, json.dumps(rows[mode]), flush=True)
+    out["pools"] = rows
     fresh: dict = {}
     for concurrency in (1, args.concurrency):
-        fresh[f"c{concurrency}"] = fresh_processes(args.calls, concurrency)
+        fresh[f"c{concurrency}"] = fresh_processes(max(args.calls // 4, 8), concurrency)
     out["fresh_process"] = fresh
-    fork, reset = out["pools"]["fork"], out["pools"]["reset"]
+    fork, reset = rows["fork"], rows["reset"]
     out["ratios"] = {
         "stateless_p50_fork_over_reset_c1": fork["stateless_c1"]["p50"] / reset["stateless_c1"]["p50"],
         f"stateless_p50_fork_over_reset_c{args.concurrency}": fork[f"stateless_c{args.concurrency}"]["p50"]
@@ -204,7 +226,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="stateless calls per case")
     parser.add_argument("--concurrency", type=int, default=8, help="the second stateless concurrency")
     parser.add_argument("--sessions", type=int, default=64, help="sessions opened at once (and warm kernels)")
-    parser.add_argument("--rounds", type=int, default=3, help="sessions each task opens in turn")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved batches the stateless calls come in")
+    parser.add_argument("--session-rounds", type=int, default=3, help="sessions each task opens in turn")
     parser.add_argument("--starts", type=int, default=8, help="kernel starts timed")
     parser.add_argument("--isolation", default="auto", choices=["auto", "namespaces", "process"])
     parser.add_argument("--json", type=Path, help="also write the results here")

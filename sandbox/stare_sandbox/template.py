@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import codecs
 import ctypes
+import gc
 import io
 import json
 import os
@@ -45,6 +46,7 @@ EXIT_ERROR = "_SandboxWorkerExited"
 """The error the kernel reports when the worker running a cell ended without finishing it; its message is the
 worker's exit status as subprocess gives it (-N for signal N)."""
 _FRAME = 8  # bytes of the length before each message on a worker socket
+_EARLY_CODE_CHARS = 32_768  # a cell up to this size is sent before its worker is known (it fits the socket buffer)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -103,6 +105,27 @@ def thread_count() -> int:
         return threading.active_count()
 
 
+PRIMER = """\
+import numpy, sympy
+x, y = sympy.symbols("x y")
+sympy.factor(x**2 - 1); sympy.expand((x + y)**3); sympy.simplify(sympy.sin(x)**2 + sympy.cos(x)**2)
+sympy.solve(x**2 - 2, x); sympy.integrate(x * sympy.exp(x), x); sympy.limit(sympy.sin(x) / x, x, 0)
+sympy.Rational(1, 3) + sympy.sqrt(8); sympy.isprime(97); sympy.nsimplify(0.5)
+str(sympy.Matrix([[1, 2], [3, 4]]).det())
+numpy.linalg.solve(numpy.eye(2), numpy.ones(2)); numpy.arange(10).sum()
+"""
+"""Run once in the template, in a namespace of its own, after the warm-up: the first call of a sympy routine in a
+process builds what it caches (tens of milliseconds), and without this every worker would pay that again. Every
+worker starts from the same primed state, so this changes no result, only how soon the first calls return."""
+
+
+def _prime() -> None:
+    try:
+        exec(PRIMER, {"__name__": "__primer__"})  # noqa: S102 - our own code
+    except Exception:  # noqa: S110 - a missing library: the workers just start colder
+        pass
+
+
 class Template:
     """The clean interpreter workers are forked from; serves the kernel's requests until the kernel goes."""
 
@@ -120,12 +143,23 @@ class Template:
         config = Config()
         config.HistoryManager.enabled = False
         self.shell = InteractiveShell.instance(config=config, user_ns=namespace)
-        self.workers: set[int] = set()
+        # IPython's first cell in a process is ~10x slower than the next (its machinery warms up): pay it here once,
+        # not in every worker. Then freeze what exists, so a collection in a worker neither scans nor, by writing
+        # to their headers, copies the template's objects page by page.
+        for _ in range(2):
+            self.shell.run_cell("pass", store_history=False, silent=True)
+        _prime()
+        gc.collect()
+        gc.freeze()
+        self.workers: set[int] = set()  # live workers, the spare included
+        self.spare: tuple[int, socket.socket] | None = None  # a worker forked ahead, and where its descriptors go
+        self.refusal = ""
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self.wake_w)
+        self._fork_spare()
 
     def serve(self) -> None:
         while True:
@@ -135,9 +169,14 @@ class Template:
                     pass
                 self._reap()
             if self.sock in readable:
-                data, fds, _, _ = socket.recv_fds(self.sock, 4096, 3)
-                if not data:
+                if self.spare is None:  # forked before the request's descriptors arrive, so it cannot inherit them
+                    self._fork_spare()
+                try:
+                    data, fds, _, _ = socket.recv_fds(self.sock, 4096, 3)
+                except OSError:
                     return  # the kernel is gone
+                if not data:
+                    return
                 self._spawn(json.loads(data), fds)
 
     def _reap(self) -> None:
@@ -151,12 +190,18 @@ class Template:
             self.workers.discard(pid)
             self._sweep()
             self.sock.send(json.dumps({"exited": pid, "status": os.waitstatus_to_exitcode(status)}).encode())
+            if self.spare is None:
+                self._fork_spare()
 
     def _sweep(self) -> None:
-        """SIGKILL what ended workers left running: every process of the kernel's session (with a PID namespace: of
-        the namespace) but the init, the kernel, this template, the live workers and their own children."""
-        keep = {1, os.getpid(), self.kernel, *self.workers}
+        """SIGKILL what ended workers left running: every process of the kernel's PID namespace, or without one of
+        the kernel's session (jupyter_client makes the kernel a session leader), but the init, the kernel, this
+        template, the live workers and their own children. Nothing where the kernel is neither (it would hit
+        processes that are not the kernel's)."""
         session = os.getsid(0)
+        if not self.own_namespace and session != self.kernel:
+            return
+        keep = {1, os.getpid(), self.kernel, *self.workers}
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) in keep:
                 continue
@@ -175,37 +220,62 @@ class Template:
                 pass
 
     def _spawn(self, request: dict, fds: list[int]) -> None:
-        threads = thread_count()
-        if threads != 1 or len(fds) != 3:
+        """Hand the kernel's descriptors to the spare worker, forked ahead (when the worker before it ended), so
+        the fork is off the call's path."""
+        if len(fds) != 3 or self.spare is None:
             for fd in fds:
                 os.close(fd)
-            why = f"the template has {threads} threads" if threads != 1 else f"{len(fds)} file descriptors came"
+            why = self.refusal or f"{len(fds)} file descriptors came"
             self.sock.send(json.dumps({"refused": why}).encode())
             return
+        pid, handoff = self.spare
+        self.spare = None
+        try:
+            socket.send_fds(handoff, [json.dumps({"mode": request.get("mode")}).encode()], fds)
+        finally:
+            handoff.close()
+            for fd in fds:
+                os.close(fd)
+        self.sock.send(json.dumps({"spawned": pid}).encode())
+
+    def _fork_spare(self) -> None:
+        """A worker that waits for its descriptors; none while the template has more than one thread."""
+        threads = thread_count()
+        if threads != 1:
+            self.refusal = f"the template has {threads} threads; a fork would copy only one of them"
+            return
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             try:
-                _Worker(self, fds, session=request.get("mode") == "session").serve()
+                mine.close()
+                _Worker(self, theirs).serve()
             finally:
                 os._exit(0)
-        for fd in fds:
-            os.close(fd)
+        theirs.close()
         self.workers.add(pid)
-        self.sock.send(json.dumps({"spawned": pid}).encode())
+        self.spare = (pid, mine)
 
 
 class _Worker:
     """Runs cells on a copy of the template: one (a stateless call), or until the kernel ends it (a session)."""
 
-    def __init__(self, template: Template, fds: list[int], *, session: bool):
-        out, err, control = fds
+    def __init__(self, template: Template, handoff: socket.socket):
         _die_with_parent(os.getppid())
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         template.sock.close()
         os.close(template.wake_r)
         os.close(template.wake_w)
+        if template.spare is not None:  # the previous spare's socket, inherited
+            template.spare[1].close()
+        data, fds, _, _ = socket.recv_fds(handoff, 4096, 3)  # wait to be handed out
+        handoff.close()
+        if not data or len(fds) != 3:
+            os._exit(0)  # the template is gone
+        session = json.loads(data).get("mode") == "session"
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        out, err, control = fds
         null = os.open(os.devnull, os.O_RDONLY)
         for source, target in ((null, 0), (out, 1), (err, 2)):
             os.dup2(source, target)
@@ -291,8 +361,11 @@ class _TemplateLink:
         self.sock = sock
         self.exits: dict[int, int] = {}
 
-    def spawn(self, mode: str, fds: list[int]) -> int:
+    def request(self, mode: str, fds: list[int]) -> None:
+        """Ask for a worker with these descriptors; `spawned` says which process it is."""
         socket.send_fds(self.sock, [json.dumps({"mode": mode}).encode()], fds)
+
+    def spawned(self) -> int:
         while True:
             reply = self._next(None)
             if "spawned" in reply:
@@ -317,6 +390,8 @@ class _TemplateLink:
         reply = json.loads(data)
         if "exited" in reply:
             self.exits[reply["exited"]] = reply["status"]
+            while len(self.exits) > 64:  # only the latest are ever asked for
+                del self.exits[next(iter(self.exits))]
         return reply
 
 
@@ -328,19 +403,25 @@ class _Relay:
         err_r, err_w = os.pipe()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.pid = link.spawn(mode, [out_w, err_w, theirs.fileno()])
+            link.request(mode, [out_w, err_w, theirs.fileno()])
         finally:
             for fd in (out_w, err_w):
                 os.close(fd)
             theirs.close()
-        self.link, self.conn = link, mine
+        self.link, self.conn, self.pid = link, mine, 0
         self.streams = {out_r: (sys.stdout, _decoder()), err_r: (sys.stderr, _decoder())}
         for fd in self.streams:
             os.set_blocking(fd, False)
 
     def run(self, code: str) -> dict:
         """Send the cell and relay its output until it is done; the worker's report, or an EXIT_ERROR one."""
-        _send(self.conn, {"code": code})
+        message = {"code": code}
+        if self.pid or len(code) > _EARLY_CODE_CHARS:
+            self.pid = self.pid or self.link.spawned()
+            _send(self.conn, message)
+        else:  # sent before the worker is handed out, it waits in the socket: one round trip less
+            _send(self.conn, message)
+            self.pid = self.link.spawned()
         # The pool's interrupt reaches the worker itself (one process group): here it must not end the relay.
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, lambda *_: None) if main else None
@@ -369,7 +450,7 @@ class _Relay:
                 if not data:
                     break
                 stream.write(decoder.decode(data))
-            stream.flush()
+        # No flush here: ipykernel flushes both streams before its reply, and before an error we publish (below)
 
     def _ended(self) -> dict:
         status = self.link.exit_status(self.pid, 5.0)
@@ -383,10 +464,11 @@ class _Relay:
         self.conn.close()
         for fd in self.streams:
             os.close(fd)
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.pid > 0:  # never 0: that would signal the kernel's whole process group
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _decoder() -> codecs.IncrementalDecoder:
@@ -427,6 +509,8 @@ def relay_kernel_class(link: _TemplateLink) -> type:
                 content = {"data": display["data"], "metadata": display["metadata"], "transient": {}}
                 self._publish("display_data", content)
             if error is not None:
+                sys.stdout.flush()  # the output before the error, as ipykernel's own error does
+                sys.stderr.flush()
                 self._publish("error", error)
             return self._reply(error)
 
@@ -437,7 +521,8 @@ def relay_kernel_class(link: _TemplateLink) -> type:
             if self._session is not None:
                 relay, self._session = self._session, None
                 relay.close()
-                self.template.exit_status(relay.pid, 5.0)
+                if relay.pid:
+                    self.template.exit_status(relay.pid, 5.0)
 
         def _reply(self, error: dict | None) -> dict:
             reply = {"status": "ok" if error is None else "error", "execution_count": self.execution_count}
