@@ -1,8 +1,8 @@
 """Leak probes: what one run leaves in an interpreter must not reach the next stateless run or the next session.
 
-Every probe changes one kind of interpreter state in one call and is checked from the next, on a pool of one
-kernel, so the next call gets the same interpreter or its successor. The baseline of each check comes from a
-call made before any probe ran.
+Every probe changes one kind of interpreter state (one leaves a child process running) in one call and is checked
+from the next, on a pool of one kernel, so the next call gets the same interpreter or its successor. The baseline of
+each check comes from a call made before any probe ran.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ threading.Thread(target=time.sleep, args=(3600,), daemon=True, name="leaked").st
 atexit.register(print, "leaked at exit")        # an exit handler
 signal.signal(signal.SIGUSR1, lambda *a: None)   # a signal handler
 sympy.isprime = lambda n: True                   # a library function
+import subprocess; subprocess.Popen(["sleep", "4243.7"])  # a child process left running
 print("patched")
 """
 
@@ -47,6 +48,10 @@ print(json.dumps({
     "atexit_handlers": atexit._ncallbacks(),
     "signal_handler": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
     "library_function": sympy.isprime(4),
+    "child_process": sum(
+        "4243.7" in open(f"/proc/{p}/cmdline").read() for p in os.listdir("/proc") if p.isdigit()
+        and os.path.exists(f"/proc/{p}/cmdline")
+    ),
 }))
 """
 

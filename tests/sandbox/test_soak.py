@@ -151,14 +151,18 @@ async def one_session(client: AsyncSandboxClient, seed: int, tally: Tally, rng: 
             await client.close_session(session)
 
 
+def is_kernel(pid: int, server: int) -> bool:
+    """Whether `pid` is a kernel of the server `server` (process isolation: the server's children). A kernel with
+    forked workers is stare_sandbox.template; its template and workers have its command line but not its parent."""
+    stat = _stat(pid)
+    command = cmdline(pid)
+    kernel = "ipykernel_launcher" in command or "stare_sandbox.template" in command
+    return kernel and stat is not None and stat[0] == server
+
+
 def kernel_pids(servers: list[Server]) -> dict[int, int]:
-    """pid -> server pid of each kernel process of the servers (process isolation: the server's children)."""
-    return {
-        pid: srv.proc.pid
-        for srv in servers
-        for pid in descendants(srv.proc.pid)
-        if "ipykernel_launcher" in cmdline(pid)
-    }
+    """pid -> server pid of each kernel process of the servers."""
+    return {pid: srv.proc.pid for srv in servers for pid in descendants(srv.proc.pid) if is_kernel(pid, srv.proc.pid)}
 
 
 def wait_for_kernels(servers: list[Server], expected: int, timeout_s: float = 30) -> dict[int, int]:
@@ -179,8 +183,7 @@ def kill_kernel(pid: int, parent: int) -> bool:
     except ProcessLookupError:
         return False
     try:
-        stat = _stat(pid)
-        if stat is None or stat[0] != parent or "ipykernel_launcher" not in cmdline(pid):
+        if not is_kernel(pid, parent):
             return False
         signal.pidfd_send_signal(fd, signal.SIGKILL)
         return True
