@@ -115,8 +115,9 @@ from stare_sandbox.inprocess import InProcessClient
 from stare_sandbox.pool import PoolSettings
 
 async def main(root: Path, isolation: str, ready: Path) -> None:
-    # pool_size 3: the kernel lent to the running call counts towards it (it comes back), so 2 stay ready
-    settings = PoolSettings(pool_size=3, max_kernels=8, isolation=isolation, scratch_root=str(root))
+    # pool_size 4: the kernels lent to the running call and (with forked workers) to the session count towards it
+    # (they come back), so 2 stay ready
+    settings = PoolSettings(pool_size=4, max_kernels=8, isolation=isolation, scratch_root=str(root))
     client = await InProcessClient(settings).start()
     session = await client.create_session()
     await client.execute("x = 1", session)
