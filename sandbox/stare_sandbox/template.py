@@ -67,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
         pass
     import IPython.core.interactiveshell  # noqa: F401 - imported once here, shared by every worker
 
+    # Collected and frozen before the fork: neither process's collections then write to (and copy) the pages the
+    # two share, and the template's freeze, after its own warm-up, costs it no pass over them either.
+    gc.collect()
+    gc.freeze()
     kernel_end, template_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     kernel_pid = os.getpid()
     if os.fork() == 0:
@@ -105,25 +109,29 @@ def thread_count() -> int:
         return threading.active_count()
 
 
-PRIMER = """\
-import numpy, sympy
+PRIMERS = {
+    "sympy": """\
 x, y = sympy.symbols("x y")
 sympy.factor(x**2 - 1); sympy.expand((x + y)**3); sympy.simplify(sympy.sin(x)**2 + sympy.cos(x)**2)
 sympy.solve(x**2 - 2, x); sympy.integrate(x * sympy.exp(x), x); sympy.limit(sympy.sin(x) / x, x, 0)
 sympy.Rational(1, 3) + sympy.sqrt(8); sympy.isprime(97); sympy.nsimplify(0.5)
 str(sympy.Matrix([[1, 2], [3, 4]]).det())
-numpy.linalg.solve(numpy.eye(2), numpy.ones(2)); numpy.arange(10).sum()
-"""
-"""Run once in the template, in a namespace of its own, after the warm-up: the first call of a sympy routine in a
-process builds what it caches (tens of milliseconds), and without this every worker would pay that again. Every
-worker starts from the same primed state, so this changes no result, only how soon the first calls return."""
+""",
+    "numpy": "numpy.linalg.solve(numpy.eye(2), numpy.ones(2)); numpy.arange(10).sum()\n",
+}
+"""Run once in the template, each in a namespace of its own and only for a library the warm-up imported (a primer
+must not load one: that would cost every kernel its memory): the first call of a sympy routine in a process builds
+what it caches (tens of milliseconds), and without this every worker would pay that again. Every worker starts from
+the same primed state, so this changes no result, only how soon the first calls return."""
 
 
 def _prime() -> None:
-    try:
-        exec(PRIMER, {"__name__": "__primer__"})  # noqa: S102 - our own code
-    except Exception:  # noqa: S110 - a missing library: the workers just start colder
-        pass
+    for module, code in PRIMERS.items():
+        if module in sys.modules:
+            try:
+                exec(code, {"__name__": "__primer__", module: sys.modules[module]})  # noqa: S102 - our own code
+            except Exception:  # noqa: S110 - the workers just start colder
+                pass
 
 
 class Template:
@@ -149,8 +157,7 @@ class Template:
         for _ in range(2):
             self.shell.run_cell("pass", store_history=False, silent=True)
         _prime()
-        gc.collect()
-        gc.freeze()
+        gc.freeze()  # no collection first: it would write to, and so copy, every object the kernel shares with it
         self.workers: set[int] = set()  # live workers, the spare included
         self.spare: tuple[int, socket.socket] | None = None  # a worker forked ahead, and where its descriptors go
         self.refusal = ""
