@@ -4,15 +4,16 @@
 `ipykernel_launcher`, inside the kernel's fences. Before any thread exists it runs the pool's warm-up code (numpy
 and sympy imported) and forks:
 
-- the **template** (the child) never runs user code. It waits on a socket for requests from the kernel and answers
-  each by forking a **worker**, a copy-on-write copy of its own clean state: its modules, `sys` settings, builtins,
-  environment, working directory, open files, signal handlers and atexit list are those the template had after the
-  warm-up, whatever earlier workers did. It has one thread when it forks (checked before every fork: a fork copies
-  only the forking thread, so a lock another thread held would stay locked in the worker forever);
-- the **kernel** (the parent) then runs ipykernel as before (`RelayKernel`). A request whose metadata names a worker
-  mode is relayed: `call` runs the code in a new worker that exits after it (a stateless run), `session` in the
-  kernel's one session worker, started by its first call and kept until `end` (variables persist within it). Other
-  requests (the pool's own warm-up and reset) run in the kernel itself, as in `reset` mode.
+- the **template** (the child) never runs user code. It waits on a socket for requests from the kernel and
+  answers each with a **worker** it forked ahead (when the worker before it ended): a copy-on-write copy of its
+  clean state, whose modules, `sys` settings, builtins, environment, working directory, open files, signal handlers
+  and atexit list are those the template had after the warm-up, whatever earlier workers did. It has one thread
+  when it forks (checked before every fork: a fork copies only the forking thread, so a lock another thread held
+  would stay locked in the worker forever);
+- the **kernel** (the parent) then runs ipykernel as before (`relay_kernel_class`). A request whose metadata names
+  a worker mode is relayed: `call` runs the code in a new worker that exits after it (a stateless run), `session`
+  in the kernel's one session worker, started by its first call and kept until `end` (variables persist within
+  it). Other requests (the pool's own warm-up and reset) run in the kernel itself, as in `reset` mode.
 
 A worker inherits every fence of its kernel (namespaces, uid, rlimits, cgroup): it is a process of the same kernel,
 in the same process group, so the pool's interrupt, caps and kill reach it as they reach the kernel. Its fd 1 and 2
