@@ -12,7 +12,14 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["kill_processes_with_home", "kill_uid_processes", "kill_until_gone", "session_cpu_seconds"]
+__all__ = [
+    "kill_processes_with_home",
+    "kill_uid_processes",
+    "kill_until_gone",
+    "parent_of",
+    "process_table",
+    "session_cpu_seconds",
+]
 
 
 def kill_uid_processes(uids: int | range) -> int:
@@ -84,6 +91,30 @@ def kill_processes_with_home(prefix: str) -> int:
     return kill_until_gone(find)
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces): fields[k] is field k+3 of
+    proc(5), so fields[0] is the state, [1] the parent, [3] the session, [11:15] the CPU times; None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, session) of every live process visible here; zombies are left out (already dead)."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None and fields[0] != "Z":
+            table[int(entry.name)] = (int(fields[1]), int(fields[3]))
+    return table
+
+
+def parent_of(pid: int) -> int | None:
+    fields = _stat(pid)
+    return None if fields is None else int(fields[1])
+
+
 def session_cpu_seconds(session: int) -> float:
     """CPU seconds (user + system, with those of reaped children) of the processes in session `session`.
 
@@ -92,13 +123,6 @@ def session_cpu_seconds(session: int) -> float:
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if int(fields[3]) == session:  # fields[k] is field k+3 of proc(5): session, then utime .. cstime
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None and int(fields[3]) == session:
             total += sum(int(x) for x in fields[11:15])
     return total / tick

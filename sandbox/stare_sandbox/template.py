@@ -40,6 +40,8 @@ import sys
 import threading
 from typing import Any
 
+from stare_sandbox.processes import kill_until_gone, parent_of, process_table
+
 WORKER_KEY = "stare_worker"
 """The execute request's metadata key that asks for a worker: its value is one of WORKER_MODES."""
 WORKER_MODES = ("call", "session", "end")
@@ -93,15 +95,6 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
-
-
 def thread_count() -> int:
     """Threads of this process, those Python did not start too (from /proc where it exists)."""
     try:
@@ -144,7 +137,7 @@ class Template:
         self.sock = sock
         self.kernel = os.getppid()
         # the kernel's parent is PID 1 only inside the kernel's own PID namespace (launch.py's init)
-        self.own_namespace = _parent_of(self.kernel) == 1
+        self.own_namespace = parent_of(self.kernel) == 1
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool interrupts the kernel's whole process group
         # No history database (it would start a thread and write outside the scratch dir).
         from traitlets.config import Config
@@ -210,22 +203,15 @@ class Template:
         if not self.own_namespace and session != self.kernel:
             return
         keep = {1, os.getpid(), self.kernel, *self.workers}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in keep:
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
-            parent, sid = int(fields[1]), int(fields[3])
-            if parent in self.workers or (sid != session and not self.own_namespace):
-                continue
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except OSError:
-                pass
+
+        def left() -> list[int]:
+            return [
+                pid
+                for pid, (parent, sid) in process_table().items()
+                if pid not in keep and parent not in self.workers and (self.own_namespace or sid == session)
+            ]
+
+        kill_until_gone(left)
 
     def _spawn(self, request: dict, fds: list[int]) -> None:
         """Hand the kernel's descriptors to the spare worker, forked ahead (when the worker before it ended), so
@@ -423,13 +409,10 @@ class _Relay:
 
     def run(self, code: str) -> dict:
         """Send the cell and relay its output until it is done; the worker's report, or an EXIT_ERROR one."""
-        message = {"code": code}
-        if self.pid or len(code) > _EARLY_CODE_CHARS:
-            self.pid = self.pid or self.link.spawned()
-            _send(self.conn, message)
-        else:  # sent before the worker is handed out, it waits in the socket: one round trip less
-            _send(self.conn, message)
+        if not self.pid and len(code) > _EARLY_CODE_CHARS:  # could fill the socket before any worker reads it
             self.pid = self.link.spawned()
+        _send(self.conn, {"code": code})  # a first small cell waits in the socket while its worker is handed out
+        self.pid = self.pid or self.link.spawned()
         # The pool's interrupt reaches the worker itself (one process group): here it must not end the relay.
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, lambda *_: None) if main else None
