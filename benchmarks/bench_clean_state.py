@@ -10,15 +10,18 @@ Cases (kernels all warm before timing):
     stateless     --calls calls of SNIPPET (sympy, as an agent's tool call) on each pool, at concurrency 1 and
                   --concurrency, in --rounds batches alternating between the two pools (both alive, so both see
                   the same load); latency p50/p99 in ms and calls/s.
-    session       each pool in turn: --sessions tasks at once (the paper's episodes per engine: 64), each
-                  --session-rounds times opening a
-                  session, running `x = 1` in it and closing it. "ready" = from asking for the session to the
-                  answer of its first call (the reset pool starts a kernel for every session it retires).
+    session       each pool in turn, at --concurrency and at --sessions tasks at once (the paper's episodes per
+                  engine: 64) on a pool of as many warm kernels: each task --session-rounds times opens a session,
+                  runs `x = 1` and `x + 1` in it and closes it. "ready" = from asking for the session to the answer
+                  of its first call (the reset pool starts a kernel for every session it retires); also "opened"
+                  (the create alone) and the second call, which any call in an open session costs under the same
+                  load: ready minus it is what starting a session adds.
     kernel start  --starts times, one at a time: a call on a pool with no ready kernel (pool_size 0) waits for
                   the kernel the pool starts for it; the time is that wait (process start, ipykernel, warm-up).
     fresh process `sys.executable -c SNIPPET` per call, --calls / 4 calls, at the same concurrencies.
 Ratios, the targets of the issue that asked for forked workers: stateless p50 fork / reset (at most 2), and
-session-ready p50 fork / the kernel start p50 (at most 0.1).
+session-ready p50 fork / the kernel start p50 (at most 0.1). CPU ms per call or session (CpuMeter) come with each
+case: unlike latency, they hardly depend on what else the machine runs.
 
 Run: .venv/bin/python benchmarks/bench_clean_state.py [--json OUT]   (~4 min on 2 cores with the defaults)
 """
@@ -29,6 +32,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -53,6 +57,31 @@ def quantiles(values: list[float]) -> dict[str, float]:
     }
 
 
+class CpuMeter:
+    """CPU time spent while its `with` blocks run: this process's (the pool's side: client, event loop) and the
+    pool's kernels' (with their templates and workers, from the pool's cgroups; absent without cgroups). Unlike
+    latency, CPU per call hardly depends on what else the machine runs."""
+
+    def __init__(self, pool: KernelPool):
+        self.pool = pool
+        self.server = self.kernels = 0.0
+        self.has_kernels = pool.kernels_cpu_seconds() is not None
+
+    def __enter__(self) -> None:
+        self.began = (time.process_time(), self.pool.kernels_cpu_seconds() or 0.0)
+
+    def __exit__(self, *_: object) -> None:
+        self.server += time.process_time() - self.began[0]
+        self.kernels += (self.pool.kernels_cpu_seconds() or 0.0) - self.began[1]
+
+    def per(self, count: int) -> dict[str, float]:
+        """CPU ms per call (or session): the pool's side, and the kernels' where measured."""
+        out = {"server_cpu_ms": 1000 * self.server / count}
+        if self.has_kernels:
+            out["kernel_cpu_ms"] = 1000 * self.kernels / count
+        return out
+
+
 async def warm_pool(settings: PoolSettings) -> KernelPool:
     pool = KernelPool(settings)
     await pool.start()
@@ -69,6 +98,7 @@ async def stateless(pools: dict[str, KernelPool], calls: int, concurrency: int, 
     latencies: dict[str, list[float]] = {mode: [] for mode in pools}
     bad = dict.fromkeys(pools, 0)
     wall = dict.fromkeys(pools, 0.0)
+    cpu = {mode: CpuMeter(pools[mode]) for mode in pools}
 
     async def batch(mode: str, count: int) -> None:
         todo = iter(range(count))
@@ -81,7 +111,8 @@ async def stateless(pools: dict[str, KernelPool], calls: int, concurrency: int, 
                 bad[mode] += result.status != "ok" or result.stdout != EXPECTED
 
         began = time.perf_counter()
-        await asyncio.gather(*(task() for _ in range(concurrency)))
+        with cpu[mode]:
+            await asyncio.gather(*(task() for _ in range(concurrency)))
         wall[mode] += time.perf_counter() - began
 
     for mode in pools:  # warm-up
@@ -91,14 +122,24 @@ async def stateless(pools: dict[str, KernelPool], calls: int, concurrency: int, 
         for mode in pools:
             await batch(mode, calls // rounds)
     return {
-        mode: {**quantiles(latencies[mode]), "calls_per_s": len(latencies[mode]) / wall[mode], "bad": bad[mode]}
+        mode: {
+            **quantiles(latencies[mode]),
+            "calls_per_s": len(latencies[mode]) / wall[mode],
+            **cpu[mode].per(len(latencies[mode])),
+            "bad": bad[mode],
+        }
         for mode in pools
     }
 
 
 async def sessions(pool: KernelPool, tasks: int, rounds: int) -> dict:
+    """Each of `tasks` tasks opens, uses and closes `rounds` sessions in turn; latencies in ms of: opening
+    (create), ready (create + the first call), and the session's second call (what any call in an open session
+    costs under the same load: ready minus it is what starting a session adds)."""
     store = SessionStore(pool, max_sessions=tasks, idle_s=600)
+    opened: list[float] = []
     ready: list[float] = []
+    later: list[float] = []
     bad = 0
 
     async def task() -> None:
@@ -106,15 +147,28 @@ async def sessions(pool: KernelPool, tasks: int, rounds: int) -> dict:
         for _ in range(rounds):
             began = time.perf_counter()
             session = await store.create(wait_s=120)
-            result = await store.execute(session, "x = 1", 30)
+            opened.append((time.perf_counter() - began) * 1000)
+            first = await store.execute(session, "x = 1", 30)
             ready.append((time.perf_counter() - began) * 1000)
-            bad += result.status != "ok"
+            second_began = time.perf_counter()
+            second = await store.execute(session, "x + 1", 30)
+            later.append((time.perf_counter() - second_began) * 1000)
+            bad += first.status != "ok" or second.stdout != "2\n"
             await store.close(session)
 
     began = time.perf_counter()
-    await asyncio.gather(*(task() for _ in range(tasks)))
+    cpu = CpuMeter(pool)
+    with cpu:
+        await asyncio.gather(*(task() for _ in range(tasks)))
     wall = time.perf_counter() - began
-    return {**quantiles(ready), "sessions_per_s": tasks * rounds / wall, "bad": bad}
+    return {
+        **quantiles(ready),
+        "open": quantiles(opened),
+        "second_call": quantiles(later),
+        "sessions_per_s": tasks * rounds / wall,
+        **cpu.per(tasks * rounds),
+        "bad": bad,
+    }
 
 
 async def kernel_starts(settings: PoolSettings, starts: int) -> dict:
@@ -168,12 +222,13 @@ async def bench(args: argparse.Namespace) -> dict:
         for pool in pools.values():
             await pool.close()
     for mode in modes:
-        pool = await warm_pool(settings(mode, args.sessions))
-        try:
-            rows[mode][f"session_c{args.sessions}"] = await sessions(pool, args.sessions, args.session_rounds)
-            rows[mode]["kernels_started"] = pool.kernels_started
-        finally:
-            await pool.close()
+        for tasks in (args.concurrency, args.sessions):
+            pool = await warm_pool(settings(mode, tasks))
+            try:
+                rows[mode][f"session_c{tasks}"] = await sessions(pool, tasks, args.session_rounds)
+                rows[mode][f"kernels_started_c{tasks}"] = pool.kernels_started
+            finally:
+                await pool.close()
         rows[mode]["load_after"] = os.getloadavg()[0]
         print(mode, json.dumps(rows[mode]), flush=True)
     out["pools"] = rows
@@ -186,11 +241,13 @@ async def bench(args: argparse.Namespace) -> dict:
         "stateless_p50_fork_over_reset_c1": fork["stateless_c1"]["p50"] / reset["stateless_c1"]["p50"],
         f"stateless_p50_fork_over_reset_c{args.concurrency}": fork[f"stateless_c{args.concurrency}"]["p50"]
         / reset[f"stateless_c{args.concurrency}"]["p50"],
-        "session_ready_p50_fork_over_kernel_start": fork[f"session_c{args.sessions}"]["p50"]
-        / fork["kernel_start"]["p50"],
-        "session_ready_p50_reset_over_kernel_start": reset[f"session_c{args.sessions}"]["p50"]
-        / reset["kernel_start"]["p50"],
     }
+    for mode, row in rows.items():
+        for tasks in (args.concurrency, args.sessions):
+            case = row[f"session_c{tasks}"]
+            start = row["kernel_start"]["p50"]
+            out["ratios"][f"session_ready_p50_{mode}_over_kernel_start_c{tasks}"] = case["p50"] / start
+            out["ratios"][f"session_open_p50_{mode}_over_kernel_start_c{tasks}"] = case["open"]["p50"] / start
     return out
 
 
@@ -204,12 +261,28 @@ def report(out: dict, args: argparse.Namespace) -> None:
         f = fresh[key.replace("stateless_", "")]
         print(f"| {label} (p50 / p99, calls/s) | {cells[0]} | {cells[1]} | {f['p50']:.1f} / {f['p99']:.1f} ms, "
               f"{f['calls_per_s']:.0f}/s |")  # fmt: skip
-    key = f"session_c{s}"
-    cells = [f"{p[key]['p50']:.1f} / {p[key]['p99']:.1f} ms, {p[key]['sessions_per_s']:.1f}/s" for p in (reset, fork)]
-    print(f"| session ready, {s} at once (p50 / p99, sessions/s) | {cells[0]} | {cells[1]} | |")
+    for tasks in (c, s):
+        key = f"session_c{tasks}"
+        for part, label in (
+            (None, "ready (asked for -> first call answered; p50 / p99, sessions/s)"),
+            ("open", "opened (p50 / p99)"),
+            ("second_call", "its second call (p50 / p99)"),
+        ):
+            cells = []
+            for p in (reset, fork):
+                q = p[key] if part is None else p[key][part]
+                rate = f", {p[key]['sessions_per_s']:.1f}/s" if part is None else ""
+                cells.append(f"{q['p50']:.1f} / {q['p99']:.1f} ms{rate}")
+            print(f"| session {label}, {tasks} at once | {cells[0]} | {cells[1]} | |")
     cells = [f"{p['kernel_start']['p50']:.0f} / {p['kernel_start']['p99']:.0f} ms" for p in (reset, fork)]
     print(f"| kernel start (p50 / p99) | {cells[0]} | {cells[1]} | |")
-    print(f"| kernels started in all | {reset['kernels_started']} | {fork['kernels_started']} | |")
+    for tasks in (c, s):
+        print(f"| kernels started for the sessions, {tasks} at once | {reset[f'kernels_started_c{tasks}']} | "
+              f"{fork[f'kernels_started_c{tasks}']} | |")  # fmt: skip
+    print("\nCPU ms per call or session, the pool's side (this process) + the kernels' (their cgroups):")
+    for key in ("stateless_c1", f"stateless_c{c}", f"session_c{c}", f"session_c{s}"):
+        cells = [f"{p[key]['server_cpu_ms']:.1f} + {p[key].get('kernel_cpu_ms', math.nan):.1f}" for p in (reset, fork)]
+        print(f"  {key}: reset {cells[0]}, fork {cells[1]}")
     bad = sum(p[k]["bad"] for p in (reset, fork) for k in p if isinstance(p[k], dict) and "bad" in p[k])
     print(f"\nbad calls (not ok, or wrong output): {bad + sum(f['bad'] for f in fresh.values())}")
     print(

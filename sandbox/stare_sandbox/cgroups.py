@@ -153,6 +153,18 @@ def _delegate(directory: Path) -> None:
         (directory / "cgroup.subtree_control").write_text("+memory +cpu")
 
 
+def cpu_seconds(cgroups: Cgroups, directory: Path) -> float | None:
+    """CPU time of the processes of the cgroup at `directory` (its last hierarchy's, where the CPU controller is)
+    and of its descendants, dead ones included; None if it is gone."""
+    try:
+        if cgroups.version == "v1":
+            return int((directory / "cpuacct.usage").read_text()) / 1e9
+        stat = dict(line.split() for line in (directory / "cpu.stat").read_text().splitlines())
+        return int(stat["usage_usec"]) / 1e6
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
+
+
 def range_group(uid_base: int) -> str:
     """The dir, in CGROUP_DIR, of the cgroups of the kernels of the pool holding the uid range from `uid_base`."""
     return f"uids-{uid_base}"
@@ -220,13 +232,7 @@ class KernelCgroup:
 
     def cpu_seconds(self) -> float | None:
         """CPU time of all the cgroup's processes, dead ones included; None if the cgroup is gone."""
-        cpu = self.dirs[-1]
-        try:
-            if self.cgroups.version == "v1":
-                return int((cpu / "cpuacct.usage").read_text()) / 1e9
-            return int(dict(line.split() for line in (cpu / "cpu.stat").read_text().splitlines())["usage_usec"]) / 1e6
-        except (FileNotFoundError, KeyError, ValueError):
-            return None
+        return cpu_seconds(self.cgroups, self.dirs[-1])
 
     def oom_kills(self) -> int:
         """Processes of the cgroup the kernel's OOM killer has killed for its memory limit (0 if gone)."""

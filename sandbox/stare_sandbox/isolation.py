@@ -380,6 +380,33 @@ def remove_scratch(path: Path) -> None:
         shutil.rmtree(path)
     except FileNotFoundError:
         return
+    except (OSError, RecursionError):
+        # A tree deeper than Python's recursive walks can follow (the recursion limit, or paths over PATH_MAX):
+        # coreutils walk any depth, by file descriptor. chmod -R never follows a link it meets.
+        for argv in (["chmod", "-R", "u+rwx", "--", str(path)], ["rm", "-rf", "--", str(path)]):
+            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if os.path.lexists(path):
+            raise OSError(f"the scratch dir {path} could not be removed") from None
+
+
+KERNEL_FILES = ("ipc-", "kernel.json", ".ipython")
+"""How the names begin of what a scratch dir holds for the kernel itself (its connection file and sockets, IPython's
+profile dir): kept when the dir is emptied between runs."""
+
+
+def empty_scratch(path: str | Path) -> None:
+    """Remove everything in a kernel's scratch dir but the kernel's own files (KERNEL_FILES), also dirs the code
+    made read-only or unreadable; symbolic links are removed, never followed. Raises (OSError, or RecursionError for
+    a tree deeper than the interpreter's recursion limit) if something could not be removed: the kernel must then
+    not serve again."""
+    with os.scandir(path) as entries:
+        left = [e for e in entries if not e.name.startswith(KERNEL_FILES)]
+    for entry in left:
+        if entry.is_dir(follow_symlinks=False):
+            _make_removable(Path(entry.path))
+            shutil.rmtree(entry.path)
+        else:
+            os.remove(entry.path)
 
 
 def _make_removable(directory: Path) -> None:

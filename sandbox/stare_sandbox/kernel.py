@@ -24,7 +24,7 @@ from stare_sandbox.isolation import UID_BASE, UID_RANGE_SIZE, KernelMeter, Limit
 from stare_sandbox.sandboxfusion import FETCH_MIME, signal_status
 from stare_sandbox.schemas import ErrorInfo, RunResult
 from stare_sandbox.template import EXIT_ERROR as WORKER_EXIT_ERROR
-from stare_sandbox.template import WORKER_KEY
+from stare_sandbox.template import UNCLEAN_MIME, WORKER_KEY
 
 if TYPE_CHECKING:
     from jupyter_client import AsyncKernelManager
@@ -186,6 +186,7 @@ class Kernel:
         self.reuse_limit = 0  # stateless runs before replacement; set by the pool
         self.lent = False  # out for one stateless run, after which it comes back (counted by the pool as coming)
         self.dead = False
+        self.unclean: str | None = None  # why its scratch dir was left unemptied after a worker: it must not serve
         self.closing = False  # shutdown() was called
         self._stopping = asyncio.Lock()
 
@@ -324,6 +325,8 @@ class Kernel:
                 (stdout if content.get("name") == "stdout" else stderr).add(content.get("text", ""))
             elif kind == "display_data" and FETCH_MIME in content.get("data", {}):
                 files = content["data"][FETCH_MIME]
+            elif kind == "display_data" and worker is not None and UNCLEAN_MIME in content.get("data", {}):
+                self.unclean = str(content["data"][UNCLEAN_MIME])
             elif kind in ("execute_result", "display_data"):
                 text = content.get("data", {}).get("text/plain")
                 if text is not None and kind == "execute_result":

@@ -45,6 +45,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from stare_sandbox.cgroups import (
     Cgroups,
     cgroup_problem,
+    cpu_seconds,
     prepare_cgroups,
     range_group,
     remove_cgroup_dirs,
@@ -72,24 +73,19 @@ log = logging.getLogger("sandbox")
 T = TypeVar("T")
 CleanState = Literal["fork", "reset"]
 
-# Runs after a stateless call: forget the user's names, empty the scratch dir, restore cwd (warm-up follows).
-# Not %reset: it runs a full gc.collect, ~70 ms with numpy and sympy loaded.
+# Runs after a stateless call with clean_state reset: forget the user's names, restore cwd, empty the scratch dir
+# (warm-up follows). Not %reset: it runs a full gc.collect, ~70 ms with numpy and sympy loaded.
 RESET_CODE = """\
 def _sandbox_reset():
     import os
-    import shutil
+
+    from stare_sandbox.isolation import empty_scratch
 
     shell = get_ipython()
     for name in [n for n in shell.user_ns if n not in shell.user_ns_hidden]:
         del shell.user_ns[name]
     os.chdir(os.environ["HOME"])
-    for name in os.listdir("."):
-        if name.startswith(("ipc-", "kernel.json", ".ipython")):
-            continue
-        if os.path.isdir(name) and not os.path.islink(name):
-            shutil.rmtree(name, ignore_errors=True)
-        else:
-            os.remove(name)
+    empty_scratch(".")
 
 
 _sandbox_reset()
@@ -303,6 +299,13 @@ class KernelPool:
     def ready_count(self) -> int:
         return len(self._ready)
 
+    def kernels_cpu_seconds(self) -> float | None:
+        """CPU seconds used so far by all the kernels this pool started, retired ones and their workers included
+        (the cgroup of its uid range holds theirs); None where kernels get no cgroup."""
+        if self._cgroups is None or self.isolation is None:
+            return None
+        return cpu_seconds(self._cgroups, self._cgroups.dirs[-1] / range_group(self.isolation.uid_base))
+
     def caps(self) -> dict[str, object]:
         """The caps in force and what enforces them, for /healthz."""
         limits = self.settings.limits
@@ -432,8 +435,10 @@ class KernelPool:
         self.wait_sum_s += seconds
 
     def give_back_later(self, kernel: Kernel) -> None:
-        """After a stateless run, in the background so that the caller's result is not delayed: reset the kernel
-        and make it ready again, or retire it (dead, its reuse_limit reached, or the pool closing).
+        """After a stateless run, make the kernel ready again or retire it (dead, its reuse_limit reached, its scratch
+        dir not emptied, or the pool closing). With clean_state reset the kernel is reset first, in the background so
+        that the caller's result is not delayed; with fork there is nothing left to reset (the run's worker has
+        ended, and the template emptied the scratch dir after it: Kernel.unclean says if it could not).
 
         A kernel to be reset counts as coming from now on (as it did while lent), so no start begins on its account.
         One that retires does not count: if the run was its last, its successor began when the call took it
@@ -443,6 +448,15 @@ class KernelPool:
             kernel.lent = False
             self._lent -= 1
         returning = not kernel.dead and kernel.runs < kernel.reuse_limit and not self._closed
+        if self.settings.forks:  # no reset: the run's worker is gone, and the template emptied the scratch dir
+            if returning and kernel.unclean is None:
+                self._hand(kernel)
+            else:
+                cause = "died" if kernel.dead else "reset_failed" if returning else "reused"
+                if kernel.unclean is not None:
+                    log.warning("kernel %d retires: its scratch dir was not emptied (%s)", kernel.slot, kernel.unclean)
+                self._spawn(self.discard(kernel, cause))
+            return
         self._returning += returning
         self._spawn(self._reset_or_retire(kernel, returning))
 

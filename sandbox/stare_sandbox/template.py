@@ -5,15 +5,18 @@
 and sympy imported) and forks:
 
 - the **template** (the child) never runs user code. It waits on a socket for requests from the kernel and
-  answers each with a **worker** it forked ahead (when the worker before it ended): a copy-on-write copy of its
+  answers each with a **worker** it forked ahead (while the worker before it ran): a copy-on-write copy of its
   clean state, whose modules, `sys` settings, builtins, environment, working directory, open files, signal handlers
   and atexit list are those the template had after the warm-up, whatever earlier workers did. It has one thread
   when it forks (checked before every fork: a fork copies only the forking thread, so a lock another thread held
-  would stay locked in the worker forever);
+  would stay locked in the worker forever). When the kernel is done with a worker, the template stops it, kills
+  what it left running, empties the scratch dir and only then reports to the kernel (and kills the worker); a
+  worker that ended on its own is cleaned up after when it is reaped;
 - the **kernel** (the parent) then runs ipykernel as before (`relay_kernel_class`). A request whose metadata names
-  a worker mode is relayed: `call` runs the code in a new worker that exits after it (a stateless run), `session`
+  a worker mode is relayed: `call` runs the code in a new worker, ended after it (a stateless run), `session`
   in the kernel's one session worker, started by its first call and kept until `end` (variables persist within
-  it). Other requests (the pool's own warm-up and reset) run in the kernel itself, as in `reset` mode.
+  it). Either way the reply waits for the template's report, so the pool gets the kernel back clean, or told
+  (UNCLEAN_MIME) that it is not. Other requests (the pool's own warm-up) run in the kernel itself.
 
 A worker inherits every fence of its kernel (namespaces, uid, rlimits, cgroup): it is a process of the same kernel,
 in the same process group, so the pool's interrupt, caps and kill reach it as they reach the kernel. Its fd 1 and 2
@@ -40,15 +43,20 @@ import sys
 import threading
 from typing import Any
 
+from stare_sandbox.isolation import empty_scratch
 from stare_sandbox.processes import kill_until_gone, parent_of, process_table
 
 WORKER_KEY = "stare_worker"
 """The execute request's metadata key that asks for a worker: its value is one of WORKER_MODES."""
 WORKER_MODES = ("call", "session", "end")
+UNCLEAN_MIME = "application/x-stare-unclean"
+"""The MIME type of the display the kernel publishes when the scratch dir could not be emptied after a worker ended
+(its value says why): the pool then retires the kernel instead of letting it serve again."""
 EXIT_ERROR = "_SandboxWorkerExited"
 """The error the kernel reports when the worker running a cell ended without finishing it; its message is the
 worker's exit status as subprocess gives it (-N for signal N)."""
 _FRAME = 8  # bytes of the length before each message on a worker socket
+_END_WAIT_S = 10.0  # for the template to report a worker's end (its leftovers killed, the scratch dir emptied)
 _EARLY_CODE_CHARS = 32_768  # a cell up to this size is sent before its worker is known (it fits the socket buffer)
 _PR_SET_PDEATHSIG = 1
 
@@ -135,6 +143,7 @@ class Template:
         from IPython.core.interactiveshell import InteractiveShell
 
         self.sock = sock
+        self.scratch = os.environ["HOME"]  # the kernel's scratch dir (isolation.kernel_env), every worker's cwd
         self.kernel = os.getppid()
         # the kernel's parent is PID 1 only inside the kernel's own PID namespace (launch.py's init)
         self.own_namespace = parent_of(self.kernel) == 1
@@ -153,6 +162,7 @@ class Template:
         _prime()
         gc.freeze()  # no collection first: it would write to, and so copy, every object the kernel shares with it
         self.workers: set[int] = set()  # live workers, the spare included
+        self.finished: set[int] = set()  # stopped by _finish and killed, not reaped yet
         self.spare: tuple[int, socket.socket] | None = None  # a worker forked ahead, and where its descriptors go
         self.refusal = ""
         self.wake_r, self.wake_w = os.pipe()
@@ -170,7 +180,7 @@ class Template:
                     pass
                 self._reap()
             if self.sock in readable:
-                if self.spare is None:  # forked before the request's descriptors arrive, so it cannot inherit them
+                if self.spare is None:  # its fork after the last handoff failed: again, before descriptors arrive
                     self._fork_spare()
                 try:
                     data, fds, _, _ = socket.recv_fds(self.sock, 4096, 3)
@@ -178,21 +188,50 @@ class Template:
                     return  # the kernel is gone
                 if not data:
                     return
-                self._spawn(json.loads(data), fds)
+                request = json.loads(data)
+                if "finish" in request:
+                    self._finish(request["finish"])
+                else:
+                    self._spawn(request, fds)
 
     def _reap(self) -> None:
-        while self.workers:
+        """Reap ended workers; one that ended on its own (or was killed by the kernel) is cleaned up after here."""
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            if pid in self.finished:  # cleaned up after when it was stopped (_finish)
+                self.finished.discard(pid)
+                continue
             self.workers.discard(pid)
-            self._sweep()
-            self.sock.send(json.dumps({"exited": pid, "status": os.waitstatus_to_exitcode(status)}).encode())
+            self._cleaned_up(pid, os.waitstatus_to_exitcode(status))
             if self.spare is None:
                 self._fork_spare()
+
+    def _finish(self, pid: int) -> None:
+        """End a worker the kernel is done with (it ran its call, or its session closed): SIGSTOP it, so that none
+        of its threads runs again, clean up after it, and only then kill it: the exit, which tears down its memory
+        (milliseconds), happens off the call's path. A worker that already ended was cleaned up after when reaped."""
+        if pid not in self.workers or self.spare is not None and pid == self.spare[0]:
+            return
+        os.kill(pid, signal.SIGSTOP)
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        self.workers.discard(pid)
+        if os.WIFSTOPPED(status):
+            self.finished.add(pid)
+            self._cleaned_up(pid, None)
+            os.kill(pid, signal.SIGKILL)
+        else:  # it exited before it stopped
+            self._cleaned_up(pid, os.waitstatus_to_exitcode(status))
+
+    def _cleaned_up(self, pid: int, status: int | None) -> None:
+        """Kill what the ended (or stopped) worker left running, empty the scratch dir, and tell the kernel."""
+        self._sweep()
+        report = {"exited": pid, "status": status, "unclean": self._empty_scratch()}
+        self.sock.send(json.dumps(report).encode())
 
     def _sweep(self) -> None:
         """SIGKILL what ended workers left running: every process of the kernel's PID namespace, or without one of
@@ -202,7 +241,7 @@ class Template:
         session = os.getsid(0)
         if not self.own_namespace and session != self.kernel:
             return
-        keep = {1, os.getpid(), self.kernel, *self.workers}
+        keep = {1, os.getpid(), self.kernel, *self.workers, *self.finished}  # finished ones are stopped
 
         def left() -> list[int]:
             return [
@@ -213,9 +252,18 @@ class Template:
 
         kill_until_gone(left)
 
+    def _empty_scratch(self) -> str | None:
+        """Remove what the ended worker left in the scratch dir, after its processes are gone (so none can write
+        there again); why it could not, or None."""
+        try:
+            empty_scratch(self.scratch)
+        except (OSError, RecursionError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
     def _spawn(self, request: dict, fds: list[int]) -> None:
-        """Hand the kernel's descriptors to the spare worker, forked ahead (when the worker before it ended), so
-        the fork is off the call's path."""
+        """Hand the kernel's descriptors to the spare worker, forked ahead (right after the previous handoff, while
+        that worker ran), so the fork is off the call's path."""
         if len(fds) != 3 or self.spare is None:
             for fd in fds:
                 os.close(fd)
@@ -231,6 +279,7 @@ class Template:
             for fd in fds:
                 os.close(fd)
         self.sock.send(json.dumps({"spawned": pid}).encode())
+        self._fork_spare()  # while the worker runs: ready before the next call
 
     def _fork_spare(self) -> None:
         """A worker that waits for its descriptors; none while the template has more than one thread."""
@@ -239,7 +288,13 @@ class Template:
             self.refusal = f"the template has {threads} threads; a fork would copy only one of them"
             return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # e.g. the kernel's process limit, while ended workers are still exiting
+            mine.close()
+            theirs.close()
+            self.refusal = f"the template could not fork a worker: {exc}"
+            return
         if pid == 0:
             try:
                 mine.close()
@@ -313,7 +368,8 @@ class _Worker:
                 except Exception:  # noqa: S110 - the code closed or replaced it: nothing left to flush
                     pass
             _send(self.conn, {"done": True, "error": self.error, "displays": self.displays})
-            if not self.session:
+            if not self.session:  # the kernel has the template stop it (_finish): exiting now would cost the call
+                _receive(self.conn)  # the time its memory takes to tear down
                 return
 
 
@@ -349,11 +405,11 @@ def _exactly(conn: socket.socket, size: int) -> bytes | None:
 
 
 class _TemplateLink:
-    """The kernel's end of the template's socket: asks for workers and keeps the exit statuses it is told."""
+    """The kernel's end of the template's socket: asks for workers and keeps the reports of their ends."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.exits: dict[int, int] = {}
+        self.exits: dict[int, dict] = {}
 
     def request(self, mode: str, fds: list[int]) -> None:
         """Ask for a worker with these descriptors; `spawned` says which process it is."""
@@ -367,11 +423,16 @@ class _TemplateLink:
             if "refused" in reply:
                 raise RuntimeError(f"the template refused to fork a worker: {reply['refused']}")
 
-    def exit_status(self, pid: int, wait_s: float) -> int | None:
-        """The worker's exit status, waiting up to `wait_s` for the template to report it; None if it did not."""
+    def finish(self, pid: int) -> None:
+        """Ask the template to end the worker and clean up after it (Template._finish); `ended` says when it did."""
+        self.sock.send(json.dumps({"finish": pid}).encode())
+
+    def ended(self, pid: int, wait_s: float) -> dict:
+        """How the worker ended, once its processes are gone and the scratch dir emptied: {"status": its exit status,
+        "unclean": why the scratch dir is not empty, or None}. Waits up to `wait_s` for the template to say."""
         while pid not in self.exits:
             if self._next(wait_s) is None:
-                return None
+                return {"status": None, "unclean": f"the template did not report the end of worker {pid} in {wait_s}s"}
         return self.exits.pop(pid)
 
     def _next(self, wait_s: float | None) -> dict | None:
@@ -383,7 +444,7 @@ class _TemplateLink:
             raise RuntimeError("the template process is gone")
         reply = json.loads(data)
         if "exited" in reply:
-            self.exits[reply["exited"]] = reply["status"]
+            self.exits[reply["exited"]] = reply
             while len(self.exits) > 64:  # only the latest are ever asked for
                 del self.exits[next(iter(self.exits))]
         return reply
@@ -403,6 +464,8 @@ class _Relay:
                 os.close(fd)
             theirs.close()
         self.link, self.conn, self.pid = link, mine, 0
+        self.ending: dict | None = None  # how the worker ended, once the template cleaned up after it
+        self.died = False  # it ended on its own
         self.streams = {out_r: (sys.stdout, _decoder()), err_r: (sys.stderr, _decoder())}
         for fd in self.streams:
             os.set_blocking(fd, False)
@@ -444,18 +507,32 @@ class _Relay:
         # No flush here: ipykernel flushes both streams before its reply, and before an error we publish (below)
 
     def _ended(self) -> dict:
-        status = self.link.exit_status(self.pid, 5.0)
+        """The report of a worker that ended without finishing its cell."""
+        self.died = True
+        return {"error": {"ename": EXIT_ERROR, "evalue": str(self.end()["status"]), "traceback": []}, "displays": []}
+
+    def end(self) -> dict:
+        """End the worker and wait until the template has cleaned up after it (ended); free this side's descriptors.
+        The template stops the worker first: closing the socket first would let it exit and tear down its memory
+        while the call waits."""
+        if self.ending is None:
+            if not self.pid:
+                self.ending = {"status": None, "unclean": None}
+            else:
+                if not self.died:
+                    self.link.finish(self.pid)
+                self.ending = self.link.ended(self.pid, _END_WAIT_S)
         self.close()
-        return {"error": {"ename": EXIT_ERROR, "evalue": str(status), "traceback": []}, "displays": []}
+        return self.ending
 
     def close(self) -> None:
-        """End the worker (a session's, or one that is stuck) and free this side's descriptors."""
+        """Free this side's descriptors; kill the worker unless the template has ended it (end)."""
         if self.conn.fileno() < 0:
             return
         self.conn.close()
         for fd in self.streams:
             os.close(fd)
-        if self.pid > 0:  # never 0: that would signal the kernel's whole process group
+        if self.pid > 0 and self.ending is None:  # never 0: that would signal the kernel's whole process group
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -483,6 +560,8 @@ def relay_kernel_class(link: _TemplateLink) -> type:
             if mode == "end":
                 self._end_session()
                 return self._reply(None)
+            if mode == "call":
+                self._end_session()  # one worker at a time: the template empties the scratch dir after each
             relay = self._session if mode == "session" else None
             if relay is None:
                 relay = _Relay(self.template, mode)
@@ -492,13 +571,15 @@ def relay_kernel_class(link: _TemplateLink) -> type:
                 report = relay.run(code)
             finally:
                 if mode == "call":
-                    relay.close()
+                    self._check_end(relay)
             error = report["error"]
             if mode == "session" and error is not None and error["ename"] == EXIT_ERROR:
                 self._session = None  # it died: the next call starts a new one
+                self._check_end(relay)
             for display in report["displays"]:
-                content = {"data": display["data"], "metadata": display["metadata"], "transient": {}}
-                self._publish("display_data", content)
+                if UNCLEAN_MIME not in display["data"]:  # only the kernel says that
+                    content = {"data": display["data"], "metadata": display["metadata"], "transient": {}}
+                    self._publish("display_data", content)
             if error is not None:
                 sys.stdout.flush()  # the output before the error, as ipykernel's own error does
                 sys.stderr.flush()
@@ -511,9 +592,13 @@ def relay_kernel_class(link: _TemplateLink) -> type:
         def _end_session(self) -> None:
             if self._session is not None:
                 relay, self._session = self._session, None
-                relay.close()
-                if relay.pid:
-                    self.template.exit_status(relay.pid, 5.0)
+                self._check_end(relay)
+
+        def _check_end(self, relay: _Relay) -> None:
+            """End the worker; if the scratch dir could not be emptied after it, tell the pool (UNCLEAN_MIME)."""
+            unclean = relay.end()["unclean"]
+            if unclean:
+                self._publish("display_data", {"data": {UNCLEAN_MIME: unclean}, "metadata": {}, "transient": {}})
 
         def _reply(self, error: dict | None) -> dict:
             reply = {"status": "ok" if error is None else "error", "execution_count": self.execution_count}

@@ -31,12 +31,19 @@ atexit.register(print, "leaked at exit")        # an exit handler
 signal.signal(signal.SIGUSR1, lambda *a: None)   # a signal handler
 sympy.isprime = lambda n: True                   # a library function
 import subprocess; subprocess.Popen(["sleep", "4243.7"])  # a child process left running
+home = os.environ["HOME"]                        # files in the scratch dir, one in a dir made read-only
+open(f"{home}/leaked.txt", "w").close(); os.makedirs(f"{home}/locked/in"); os.chmod(f"{home}/locked", 0o500)
+def write_on(path=f"{home}/written-late.txt", sleep=time.sleep):  # and a thread that writes one while it runs
+    while True:                                  # (its names bound here: the reset pool deletes the globals)
+        open(path, "w").close(); sleep(0.001)
+threading.Thread(target=write_on, daemon=True).start()
 print("patched")
 """
 
 CHECK = """
 import atexit, builtins, json, math, os, signal, sys, threading
 import sympy
+from stare_sandbox.isolation import KERNEL_FILES
 print(json.dumps({
     "module_attribute": math.pi,
     "recursion_limit": sys.getrecursionlimit(),
@@ -52,6 +59,7 @@ print(json.dumps({
         "4243.7" in open(f"/proc/{p}/cmdline").read() for p in os.listdir("/proc") if p.isdigit()
         and os.path.exists(f"/proc/{p}/cmdline")
     ),
+    "scratch_files": sorted(n for n in os.listdir(os.environ["HOME"]) if not n.startswith(KERNEL_FILES)),
 }))
 """
 
@@ -92,13 +100,15 @@ def test_a_stateless_run_starts_from_the_state_the_one_before_found(one_kernel_p
 
 
 def test_every_probe_but_the_working_directory_leaks_through_the_reset_pool(one_kernel_pool):
-    """clean_state reset (the pool before forked workers, kept as a baseline) wipes the user namespace and goes back
-    to the scratch dir after a run, nothing else: the probes find each other kind of state it leaves."""
+    """clean_state reset (the pool before forked workers, kept as a baseline) wipes the user namespace, goes back
+    to the scratch dir and empties it after a run, nothing else: the probes find each other kind of state it leaves
+    (files too: the probe's thread writes one again after the reset)."""
     settings = dataclasses.replace(one_kernel_pool, clean_state="reset")
     before, patched, after = _stateless(settings, (CHECK, PATCH, CHECK))
     assert patched.stdout == "patched\n"
     before, after = _state(before.stdout), _state(after.stdout)
     assert set(_leaks(before, after)) == set(before) - {"working_directory"}
+    assert after["scratch_files"] == ["written-late.txt"]  # emptied, but the thread lives on in the kernel
 
 
 def _in_sessions(settings: PoolSettings, codes: tuple[str, ...], *, one_session: bool) -> tuple[list, int]:

@@ -538,7 +538,7 @@ def test_calls_waiting_for_a_kernel_get_an_error_at_once_when_the_pool_closes():
     async def go() -> BaseException:
         pool = KernelPool(PoolSettings(pool_size=1, max_kernels=1, queue_wait_s=5))
         await pool.start()
-        held = await pool.acquire()  # the only kernel there may be
+        held = await pool.acquire(wait_s=120)  # the only kernel there may be (its start may be slow on a busy host)
         waiting = asyncio.ensure_future(pool.acquire())
         while pool.waiting_count < 1:
             await asyncio.sleep(0.01)
@@ -684,6 +684,15 @@ def test_a_ready_kernel_that_died_is_replaced_not_handed_out():
     assert asyncio.run(go()) == [("ok", "42\n"), ("ok", "42\n")]
 
 
+DEEP_TREE = """\
+import os
+for depth in range(1500):
+    os.mkdir("d")
+    os.chdir("d")
+print(depth + 1)
+"""
+
+
 @pytest.mark.parametrize(
     "clean_state, expected",
     [
@@ -713,9 +722,9 @@ def test_retirements_are_counted_by_cause_and_a_lent_kernel_that_comes_back_has_
     monkeypatch, clean_state, expected
 ):
     """Each way a kernel leaves a running pool is counted under its own cause (/healthz, /metrics): its reuse limit
-    served, its death found after a call, a failed reset, its session closed (clean_state reset; with forked
-    workers a closed session's kernel comes back instead). A stateless run that is not its kernel's last starts no
-    successor (the kernel comes back): no start, no surplus retirement."""
+    served, its death found after a call, a scratch dir that could not be emptied (a failed reset), its session
+    closed (clean_state reset; with forked workers a closed session's kernel comes back instead). A stateless run
+    that is not its kernel's last starts no successor (the kernel comes back): no start, no surplus retirement."""
     monkeypatch.setattr(pool_module, "reuse_limit", lambda n: n)  # a kernel retires after exactly stateless_reuse runs
 
     async def go() -> list[tuple[dict[str, int], int]]:
@@ -743,10 +752,12 @@ def test_retirements_are_counted_by_cause_and_a_lent_kernel_that_comes_back_has_
             await sessions.close(session)
             await wait_settled(pool, 1)
             note()
-            monkeypatch.setattr(pool_module, "RESET_CODE", "raise RuntimeError('no reset')\n")
-            assert (await run_stateless(pool, "print(4)", 30)).stdout == "4\n"
+            # a tree deeper than the cleanup between runs can follow: its kernel must not serve again
+            scratch = pool._ready[0].scratch
+            assert (await run_stateless(pool, DEEP_TREE, 30)).stdout == "1500\n"
             await wait_settled(pool, 1)
             note()
+            assert not scratch.exists()  # removed with its kernel, however deep
         finally:
             await pool.close()
         return seen
@@ -754,24 +765,32 @@ def test_retirements_are_counted_by_cause_and_a_lent_kernel_that_comes_back_has_
     assert asyncio.run(go()) == expected
 
 
-def test_a_call_waiting_on_a_pool_whose_kernel_is_being_reset_gets_that_kernel_and_starts_none(monkeypatch):
-    """Every kernel lent (pool_size 1, one call ran): a call that comes while the kernel is being reset waits for
-    it, and no kernel starts on its account (one did, and then came back to stay or retired as surplus)."""
+@pytest.mark.parametrize("clean_state", ["reset", "fork"])
+def test_a_call_waiting_on_a_pool_whose_kernel_is_being_reset_gets_that_kernel_and_starts_none(
+    monkeypatch, clean_state
+):
+    """Every kernel lent (pool_size 1, one call ran): a call that comes while the kernel is being reset (with fork:
+    given back) waits for it, and no kernel starts on its account (one did, and then came back to stay or retired
+    as surplus)."""
     monkeypatch.setattr(pool_module, "reuse_limit", lambda n: n)
 
+    worker = "call" if clean_state == "fork" else None
+
     async def go() -> tuple[int, int, int, int, dict[str, int]]:
-        pool = KernelPool(PoolSettings(pool_size=1, max_kernels=4, isolation="process", stateless_reuse=10))
+        pool = KernelPool(
+            PoolSettings(pool_size=1, max_kernels=4, isolation="process", stateless_reuse=10, clean_state=clean_state)
+        )
         await pool.start()
         try:
             await wait_settled(pool, 1)
             first = await pool.acquire(stateless=True)
             first.runs += 1
-            assert (await first.execute("x = 1", 30, pool.settings)).status == "ok"
+            assert (await first.execute("x = 1", 30, pool.settings, worker=worker)).status == "ok"
             pool.give_back_later(first)  # its reset starts in the background: the kernel is coming back
             second = await pool.acquire(stateless=True)  # waits: no kernel is ready
             starting = pool._starting
             second.runs += 1
-            result = await second.execute("print(globals().get('x'))", 30, pool.settings)
+            result = await second.execute("print(globals().get('x'))", 30, pool.settings, worker=worker)
             pool.give_back_later(second)
             await wait_settled(pool, 1)
             assert result.stdout == "None\n"  # reset in between
