@@ -8,11 +8,12 @@ with numpy and sympy imported before it is handed out. How user code finds a cle
   worker process forked from a clean template inside the kernel's fences: a stateless run gets a new worker that
   exits after it, a stateful session (sessions.py) one worker for its life. Nothing a run changes in its interpreter
   (modules, `sys` settings, builtins, environment, cwd, open files, threads, atexit and signal handlers) reaches a
-  later run or session. After a stateless run or a session the kernel empties its scratch dir (`RESET_CODE`) and
-  serves again; a session's kernel comes back to the pool like a stateless run's, so a new session needs no start;
+  later run or session. When a worker ends, the template empties the scratch dir before the kernel answers, so the
+  kernel serves again at once, with no reset; a session's kernel comes back to the pool like a stateless run's, so
+  a new session needs no start;
 - `reset` (the pool before workers, kept as a baseline): a stateless run runs in the kernel, which then wipes its
-  namespace and scratch dir. Modules stay imported, so a run that patches a module affects later runs on the same
-  kernel until it is replaced; a session keeps its kernel and retires it afterwards.
+  namespace and scratch dir (`RESET_CODE`). Modules stay imported, so a run that patches a module affects later
+  runs on the same kernel until it is replaced; a session keeps its kernel and retires it afterwards.
 
 Either way a kernel is replaced after `stateless_reuse` runs or after anything unusual (timeout, death); set
 `stateless_reuse = 0` for a fresh process every run (slower: one kernel start per call).

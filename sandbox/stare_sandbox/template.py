@@ -5,7 +5,7 @@
 and sympy imported) and forks:
 
 - the **template** (the child) never runs user code. It waits on a socket for requests from the kernel and
-  answers each with a **worker** it forked ahead (while the worker before it ran): a copy-on-write copy of its
+  answers each with a **worker** it forked ahead (once the worker before it ended): a copy-on-write copy of its
   clean state, whose modules, `sys` settings, builtins, environment, working directory, open files, signal handlers
   and atexit list are those the template had after the warm-up, whatever earlier workers did. It has one thread
   when it forks (checked before every fork: a fork copies only the forking thread, so a lock another thread held
@@ -180,8 +180,6 @@ class Template:
                     pass
                 self._reap()
             if self.sock in readable:
-                if self.spare is None:  # its fork after the last handoff failed: again, before descriptors arrive
-                    self._fork_spare()
                 try:
                     data, fds, _, _ = socket.recv_fds(self.sock, 4096, 3)
                 except OSError:
@@ -208,8 +206,6 @@ class Template:
                 continue
             self.workers.discard(pid)
             self._cleaned_up(pid, os.waitstatus_to_exitcode(status))
-            if self.spare is None:
-                self._fork_spare()
 
     def _finish(self, pid: int) -> None:
         """End a worker the kernel is done with (it ran its call, or its session closed): SIGSTOP it, so that none
@@ -232,6 +228,8 @@ class Template:
         self._sweep()
         report = {"exited": pid, "status": status, "unclean": self._empty_scratch()}
         self.sock.send(json.dumps(report).encode())
+        if self.spare is None:  # now, while the kernel answers the call: not while the call's worker runs
+            self._fork_spare()
 
     def _sweep(self) -> None:
         """SIGKILL what ended workers left running: every process of the kernel's PID namespace, or without one of
@@ -262,8 +260,10 @@ class Template:
         return None
 
     def _spawn(self, request: dict, fds: list[int]) -> None:
-        """Hand the kernel's descriptors to the spare worker, forked ahead (right after the previous handoff, while
-        that worker ran), so the fork is off the call's path."""
+        """Hand the kernel's descriptors to the spare worker, forked ahead (when the template had cleaned up after
+        the worker before it, while the kernel answered that call), so the fork is off the call's path."""
+        if self.spare is None:  # none forked since the last handoff (a session's worker), or its fork failed
+            self._fork_spare(inherited=fds)
         if len(fds) != 3 or self.spare is None:
             for fd in fds:
                 os.close(fd)
@@ -279,10 +279,10 @@ class Template:
             for fd in fds:
                 os.close(fd)
         self.sock.send(json.dumps({"spawned": pid}).encode())
-        self._fork_spare()  # while the worker runs: ready before the next call
 
-    def _fork_spare(self) -> None:
-        """A worker that waits for its descriptors; none while the template has more than one thread."""
+    def _fork_spare(self, inherited: tuple[int, ...] | list[int] = ()) -> None:
+        """A worker that waits for its descriptors; none while the template has more than one thread. `inherited`:
+        descriptors the template holds for another worker, which the new one closes at once."""
         threads = thread_count()
         if threads != 1:
             self.refusal = f"the template has {threads} threads; a fork would copy only one of them"
@@ -297,6 +297,8 @@ class Template:
             return
         if pid == 0:
             try:
+                for fd in inherited:
+                    os.close(fd)
                 mine.close()
                 _Worker(self, theirs).serve()
             finally:
