@@ -24,7 +24,7 @@ from stare_sandbox.isolation import UID_BASE, UID_RANGE_SIZE, KernelMeter, Limit
 from stare_sandbox.sandboxfusion import FETCH_MIME, signal_status
 from stare_sandbox.schemas import ErrorInfo, RunResult
 from stare_sandbox.template import EXIT_ERROR as WORKER_EXIT_ERROR
-from stare_sandbox.template import UNCLEAN_MIME, WORKER_KEY
+from stare_sandbox.template import WORKER_END_MIME, WORKER_KEY
 
 if TYPE_CHECKING:
     from jupyter_client import AsyncKernelManager
@@ -130,8 +130,9 @@ class _CallCaps:
         cpu_start = await asyncio.to_thread(meter.cpu_seconds) if cpu_cap else 0.0
         return cls(kernel, meter, limits, cpu_cap, cpu_start)
 
-    async def exceeded(self, *, during: bool) -> tuple[str, ErrorInfo] | None:
-        """(status, error) if the call went over a cap, after killing the kernel; else None."""
+    async def exceeded(self, *, during: bool, scratch_left: int = 0) -> tuple[str, ErrorInfo] | None:
+        """(status, error) if the call went over a cap, after killing the kernel; else None. `scratch_left`: bytes
+        the call's worker left in the scratch dir, which the template has emptied since (clean_state fork)."""
         over = self.memory_exceeded()
         if over is None and during and self.cpu_cap:
             used = await asyncio.to_thread(self.meter.cpu_seconds) - self.cpu_start
@@ -145,7 +146,7 @@ class _CallCaps:
                     ),
                 )
         if over is None and self.limits.scratch_mb:
-            held = await asyncio.to_thread(self.meter.scratch_bytes)
+            held = max(await asyncio.to_thread(self.meter.scratch_bytes), scratch_left)
             if held > self.limits.scratch_mb * 2**20:
                 over = (
                     "error",
@@ -261,6 +262,7 @@ class Kernel:
             stdout, stderr = _Head(output_limit_bytes), _Head(output_limit_bytes)
         files: dict[str, str] = {}
         exit_status: int | None = None
+        left_in_scratch = 0  # what an ended worker left in the scratch dir before the template emptied it
         limits = settings.limits if user else dataclasses.replace(settings.limits, call_cpu_s=0.0, scratch_mb=0)
         caps = await _CallCaps.begin(self, timeout_s, limits)
         msg_id = self._send_execute(code, worker)
@@ -325,8 +327,11 @@ class Kernel:
                 (stdout if content.get("name") == "stdout" else stderr).add(content.get("text", ""))
             elif kind == "display_data" and FETCH_MIME in content.get("data", {}):
                 files = content["data"][FETCH_MIME]
-            elif kind == "display_data" and worker is not None and UNCLEAN_MIME in content.get("data", {}):
-                self.unclean = str(content["data"][UNCLEAN_MIME])
+            elif kind == "display_data" and worker is not None and WORKER_END_MIME in content.get("data", {}):
+                ending = content["data"][WORKER_END_MIME]
+                left_in_scratch = int(ending.get("scratch_bytes") or 0)
+                if ending.get("unclean"):
+                    self.unclean = str(ending["unclean"])
             elif kind in ("execute_result", "display_data"):
                 text = content.get("data", {}).get("text/plain")
                 if text is not None and kind == "execute_result":
@@ -351,7 +356,7 @@ class Kernel:
                     status = "error"
             elif kind == "status" and content.get("execution_state") == "idle":
                 break
-        if not self.dead and (over := await caps.exceeded(during=False)) is not None:
+        if not self.dead and (over := await caps.exceeded(during=False, scratch_left=left_in_scratch)) is not None:
             status, error = over
         await self._drain_shell()
         result = RunResult(

@@ -16,7 +16,7 @@ and sympy imported) and forks:
   a worker mode is relayed: `call` runs the code in a new worker, ended after it (a stateless run), `session`
   in the kernel's one session worker, started by its first call and kept until `end` (variables persist within
   it). Either way the reply waits for the template's report, so the pool gets the kernel back clean, or told
-  (UNCLEAN_MIME) that it is not. Other requests (the pool's own warm-up) run in the kernel itself.
+  (WORKER_END_MIME) that it is not. Other requests (the pool's own warm-up) run in the kernel itself.
 
 A worker inherits every fence of its kernel (namespaces, uid, rlimits, cgroup): it is a process of the same kernel,
 in the same process group, so the pool's interrupt, caps and kill reach it as they reach the kernel. Its fd 1 and 2
@@ -43,15 +43,16 @@ import sys
 import threading
 from typing import Any
 
-from stare_sandbox.isolation import empty_scratch
+from stare_sandbox.isolation import empty_scratch, scratch_bytes
 from stare_sandbox.processes import kill_until_gone, parent_of, process_table
 
 WORKER_KEY = "stare_worker"
 """The execute request's metadata key that asks for a worker: its value is one of WORKER_MODES."""
 WORKER_MODES = ("call", "session", "end")
-UNCLEAN_MIME = "application/x-stare-unclean"
-"""The MIME type of the display the kernel publishes when the scratch dir could not be emptied after a worker ended
-(its value says why): the pool then retires the kernel instead of letting it serve again."""
+WORKER_END_MIME = "application/x-stare-worker-end"
+"""The MIME type of the display by which the kernel tells the pool what the template found when a worker ended, if
+anything: {"scratch_bytes": what the worker left in the scratch dir (for the scratch quota, checked after the call),
+"unclean": why the scratch dir could not be emptied, or None (the pool then retires the kernel)}."""
 EXIT_ERROR = "_SandboxWorkerExited"
 """The error the kernel reports when the worker running a cell ended without finishing it; its message is the
 worker's exit status as subprocess gives it (-N for signal N)."""
@@ -226,7 +227,8 @@ class Template:
     def _cleaned_up(self, pid: int, status: int | None) -> None:
         """Kill what the ended (or stopped) worker left running, empty the scratch dir, and tell the kernel."""
         self._sweep()
-        report = {"exited": pid, "status": status, "unclean": self._empty_scratch()}
+        held = scratch_bytes(self.scratch)
+        report = {"exited": pid, "status": status, "scratch_bytes": held, "unclean": self._empty_scratch()}
         self.sock.send(json.dumps(report).encode())
         if self.spare is None:  # now, while the kernel answers the call: not while the call's worker runs
             self._fork_spare()
@@ -431,10 +433,12 @@ class _TemplateLink:
 
     def ended(self, pid: int, wait_s: float) -> dict:
         """How the worker ended, once its processes are gone and the scratch dir emptied: {"status": its exit status,
-        "unclean": why the scratch dir is not empty, or None}. Waits up to `wait_s` for the template to say."""
+        "scratch_bytes": what it left there, "unclean": why the scratch dir is not empty, or None}. Waits up to
+        `wait_s` for the template to say."""
         while pid not in self.exits:
             if self._next(wait_s) is None:
-                return {"status": None, "unclean": f"the template did not report the end of worker {pid} in {wait_s}s"}
+                why = f"the template did not report the end of worker {pid} in {wait_s}s"
+                return {"status": None, "scratch_bytes": 0, "unclean": why}
         return self.exits.pop(pid)
 
     def _next(self, wait_s: float | None) -> dict | None:
@@ -519,7 +523,7 @@ class _Relay:
         while the call waits."""
         if self.ending is None:
             if not self.pid:
-                self.ending = {"status": None, "unclean": None}
+                self.ending = {"status": None, "scratch_bytes": 0, "unclean": None}
             else:
                 if not self.died:
                     self.link.finish(self.pid)
@@ -579,7 +583,7 @@ def relay_kernel_class(link: _TemplateLink) -> type:
                 self._session = None  # it died: the next call starts a new one
                 self._check_end(relay)
             for display in report["displays"]:
-                if UNCLEAN_MIME not in display["data"]:  # only the kernel says that
+                if WORKER_END_MIME not in display["data"]:  # only the kernel says that
                     content = {"data": display["data"], "metadata": display["metadata"], "transient": {}}
                     self._publish("display_data", content)
             if error is not None:
@@ -597,10 +601,11 @@ def relay_kernel_class(link: _TemplateLink) -> type:
                 self._check_end(relay)
 
         def _check_end(self, relay: _Relay) -> None:
-            """End the worker; if the scratch dir could not be emptied after it, tell the pool (UNCLEAN_MIME)."""
-            unclean = relay.end()["unclean"]
-            if unclean:
-                self._publish("display_data", {"data": {UNCLEAN_MIME: unclean}, "metadata": {}, "transient": {}})
+            """End the worker; tell the pool what it left in the scratch dir and whether that could be removed."""
+            ending = relay.end()
+            if ending["scratch_bytes"] or ending["unclean"]:
+                info = {"scratch_bytes": ending["scratch_bytes"], "unclean": ending["unclean"]}
+                self._publish("display_data", {"data": {WORKER_END_MIME: info}, "metadata": {}, "transient": {}})
 
         def _reply(self, error: dict | None) -> dict:
             reply = {"status": "ok" if error is None else "error", "execution_count": self.execution_count}
