@@ -1,7 +1,9 @@
 """What a warm kernel costs: its memory when idle, and the time of the reset a stateless kernel gets between calls.
 
-Memory of idle warm kernels (numpy and sympy loaded by the pool's warm-up): RSS, PSS and USS per kernel, summed
-over each kernel's processes (namespace kernels have an unshare and a launcher process above the kernel).
+Memory of idle warm kernels (numpy and sympy loaded by the pool's warm-up), for each `--clean-state` (fork: the
+kernel with its template and spare worker; reset: the kernel alone), after --calls stateless calls on the pool:
+RSS, PSS and USS per kernel, summed over each kernel's processes (namespace kernels have an unshare and a launcher
+process above the kernel).
 
 USS (private pages) is what each further kernel adds; RSS counts pages shared with the other kernels again.
 Read from /proc/PID/smaps_rollup (Linux 4.14+). Namespace mode needs root and util-linux unshare; it is skipped
@@ -24,6 +26,7 @@ from bench_sandbox import descendants  # same directory: run as a script
 
 from stare_sandbox.isolation import detect_isolation
 from stare_sandbox.pool import RESET_CODE, KernelPool, PoolSettings
+from stare_sandbox.sessions import run_stateless
 
 
 def memory_kib(pid: int) -> dict[str, int]:
@@ -45,11 +48,19 @@ def memory_kib(pid: int) -> dict[str, int]:
     return found
 
 
-async def measure(mode: str, kernels: int) -> list[dict[str, float]]:
-    pool = KernelPool(PoolSettings(pool_size=kernels, max_kernels=kernels + 1, isolation=mode))
+async def measure(mode: str, kernels: int, clean_state: str = "fork", calls: int = 0) -> list[dict[str, float]]:
+    settings = PoolSettings(pool_size=kernels, max_kernels=kernels + 1, isolation=mode, clean_state=clean_state)
+    pool = KernelPool(settings)
     await pool.start()
     try:
         while pool.ready_count < kernels:
+            await asyncio.sleep(0.2)
+        for _ in range(calls):
+            if (
+                await run_stateless(pool, "import sympy\nprint(sympy.factor(sympy.Symbol('x')**2 - 1))", 30)
+            ).status != "ok":
+                raise RuntimeError("a stateless call failed")
+        while pool.ready_count < kernels:  # back from their last call (reset, or cleaned up after)
             await asyncio.sleep(0.2)
         await asyncio.sleep(1.0)  # let the warm-up's allocations settle
         rows = []
@@ -93,20 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", type=int, default=3, help="warm kernels per mode (default 3)")
     parser.add_argument("--resets", type=int, default=30, help="timed call + reset pairs (default 30; 0: none)")
+    parser.add_argument("--clean-state", default="fork,reset", help="pool.clean_state values, comma-separated")
+    parser.add_argument("--calls", type=int, default=8, help="stateless calls on each pool before its memory is read")
     args = parser.parse_args(argv)
-    print("| isolation | kernels | processes each | RSS MB | PSS MB | USS MB (median [min-max]) |")
-    print("|---|---:|---:|---:|---:|---|")
+    print("| isolation | clean_state | kernels | processes each | RSS MB | PSS MB | USS MB (median [min-max]) |")
+    print("|---|---|---:|---:|---:|---:|---|")
     for mode in ("process", "namespaces"):
         if mode == "namespaces" and detect_isolation("auto").mode != "namespaces":
-            print(f"| {mode} | - | - | - | - | not available here |")
+            print(f"| {mode} | - | - | - | - | - | not available here |")
             continue
-        rows = asyncio.run(measure(mode, args.kernels))
-        med = {key: statistics.median(r[key] for r in rows) for key in ("rss", "pss", "uss")}
-        uss = [r["uss"] for r in rows]
-        print(
-            f"| {mode} | {len(rows)} | {rows[0]['processes']} | {med['rss']:.0f} | {med['pss']:.0f} | "
-            f"{med['uss']:.0f} [{min(uss):.0f}-{max(uss):.0f}] |"
-        )
+        for clean_state in args.clean_state.split(","):
+            rows = asyncio.run(measure(mode, args.kernels, clean_state, args.calls))
+            med = {key: statistics.median(r[key] for r in rows) for key in ("rss", "pss", "uss")}
+            uss = [r["uss"] for r in rows]
+            print(
+                f"| {mode} | {clean_state} | {len(rows)} | {rows[0]['processes']} | {med['rss']:.0f} | "
+                f"{med['pss']:.0f} | {med['uss']:.0f} [{min(uss):.0f}-{max(uss):.0f}] |"
+            )
     if args.resets:
         calls, resets = asyncio.run(reset_times(args.resets))
         for name, times in (("print(1+1)", calls), ("reset + warm-up", resets)):
