@@ -394,19 +394,24 @@ KERNEL_FILES = ("ipc-", "kernel.json", ".ipython")
 profile dir): kept when the dir is emptied between runs."""
 
 
-def empty_scratch(path: str | Path) -> None:
+def empty_scratch(path: str | Path) -> int:
     """Remove everything in a kernel's scratch dir but the kernel's own files (KERNEL_FILES), also dirs the code
-    made read-only or unreadable; symbolic links are removed, never followed. Raises (OSError, or RecursionError for
-    a tree deeper than the interpreter's recursion limit) if something could not be removed: the kernel must then
-    not serve again."""
+    made read-only or unreadable; symbolic links are removed, never followed. Returns the disk space what it removed
+    took (as scratch_bytes counts it, measured once each dir is readable). Raises (OSError, or RecursionError for a
+    tree deeper than the interpreter's recursion limit) if something could not be removed: the kernel must then not
+    serve again."""
     with os.scandir(path) as entries:
         left = [e for e in entries if not e.name.startswith(KERNEL_FILES)]
+    removed, seen = 0, set()
     for entry in left:
         if entry.is_dir(follow_symlinks=False):
             _make_removable(Path(entry.path))
+            removed += _tree_bytes(entry.path, seen)
             shutil.rmtree(entry.path)
         else:
+            removed += _tree_bytes(entry.path, seen)
             os.remove(entry.path)
+    return removed
 
 
 def _make_removable(directory: Path) -> None:
@@ -439,12 +444,19 @@ _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 def scratch_bytes(path: Path) -> int:
     """Disk space `path` and everything under it take (allocated blocks, each inode once, as `du -s`); links are
     not followed. 0 if it does not exist."""
+    return _tree_bytes(path, set())
+
+
+def _tree_bytes(path: str | Path, seen: set[tuple[int, int]]) -> int:
+    """scratch_bytes, counting no inode in `seen` (and adding those it counts)."""
     try:
         top = os.lstat(path)
     except FileNotFoundError:
         return 0
-    total, seen = top.st_blocks * 512, {(top.st_dev, top.st_ino)}
-    todo = [Path(path)]
+    total, todo = 0, [path] if stat.S_ISDIR(top.st_mode) else []
+    if (top.st_dev, top.st_ino) not in seen:
+        seen.add((top.st_dev, top.st_ino))
+        total += top.st_blocks * 512
     while todo:
         try:
             entries = list(os.scandir(todo.pop()))
@@ -459,7 +471,7 @@ def scratch_bytes(path: Path) -> int:
                 seen.add((info.st_dev, info.st_ino))
                 total += info.st_blocks * 512
             if stat.S_ISDIR(info.st_mode):
-                todo.append(Path(entry.path))
+                todo.append(entry.path)
     return total
 
 

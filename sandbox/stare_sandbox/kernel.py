@@ -130,9 +130,12 @@ class _CallCaps:
         cpu_start = await asyncio.to_thread(meter.cpu_seconds) if cpu_cap else 0.0
         return cls(kernel, meter, limits, cpu_cap, cpu_start)
 
-    async def exceeded(self, *, during: bool, scratch_left: int = 0) -> tuple[str, ErrorInfo] | None:
+    async def exceeded(
+        self, *, during: bool, scratch_left: int = 0, scratch_emptied: bool = False
+    ) -> tuple[str, ErrorInfo] | None:
         """(status, error) if the call went over a cap, after killing the kernel; else None. `scratch_left`: bytes
-        the call's worker left in the scratch dir, which the template has emptied since (clean_state fork)."""
+        the call's worker left in the scratch dir, which the template has emptied since (clean_state fork);
+        `scratch_emptied`: the call ended its worker, so that is all there was (no walk of the dir)."""
         over = self.memory_exceeded()
         if over is None and during and self.cpu_cap:
             used = await asyncio.to_thread(self.meter.cpu_seconds) - self.cpu_start
@@ -146,7 +149,9 @@ class _CallCaps:
                     ),
                 )
         if over is None and self.limits.scratch_mb:
-            held = max(await asyncio.to_thread(self.meter.scratch_bytes), scratch_left)
+            held = scratch_left
+            if not scratch_emptied:
+                held = max(held, await asyncio.to_thread(self.meter.scratch_bytes))
             if held > self.limits.scratch_mb * 2**20:
                 over = (
                     "error",
@@ -356,7 +361,10 @@ class Kernel:
                     status = "error"
             elif kind == "status" and content.get("execution_state") == "idle":
                 break
-        if not self.dead and (over := await caps.exceeded(during=False, scratch_left=left_in_scratch)) is not None:
+        emptied = worker in ("call", "end")  # its worker ended before the reply, and the template emptied the dir
+        if not self.dead and (
+            over := await caps.exceeded(during=False, scratch_left=left_in_scratch, scratch_emptied=emptied)
+        ):
             status, error = over
         await self._drain_shell()
         result = RunResult(

@@ -43,7 +43,7 @@ import sys
 import threading
 from typing import Any
 
-from stare_sandbox.isolation import empty_scratch, scratch_bytes
+from stare_sandbox.isolation import empty_scratch
 from stare_sandbox.processes import kill_until_gone, parent_of, process_table
 
 WORKER_KEY = "stare_worker"
@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> None:
     from ipykernel.kernelapp import IPKernelApp
 
     IPKernelApp.launch_instance(argv=argv[2:], kernel_class=relay_kernel_class(_TemplateLink(kernel_end)))
+
+
+def _ending(status: int | None = None, scratch_bytes: int = 0, unclean: str | None = None) -> dict:
+    """How a worker ended, as the template reports it: its exit status (None: the template stopped it, or nobody
+    knows), the disk space it left in the scratch dir, and why that dir could not be emptied (None: it was)."""
+    return {"status": status, "scratch_bytes": scratch_bytes, "unclean": unclean}
 
 
 def _die_with_parent(parent: int) -> None:
@@ -227,9 +233,7 @@ class Template:
     def _cleaned_up(self, pid: int, status: int | None) -> None:
         """Kill what the ended (or stopped) worker left running, empty the scratch dir, and tell the kernel."""
         self._sweep()
-        held = scratch_bytes(self.scratch)
-        report = {"exited": pid, "status": status, "scratch_bytes": held, "unclean": self._empty_scratch()}
-        self.sock.send(json.dumps(report).encode())
+        self.sock.send(json.dumps({"exited": pid, **_ending(status, *self._empty_scratch())}).encode())
         if self.spare is None:  # now, while the kernel answers the call: not while the call's worker runs
             self._fork_spare()
 
@@ -252,14 +256,13 @@ class Template:
 
         kill_until_gone(left)
 
-    def _empty_scratch(self) -> str | None:
+    def _empty_scratch(self) -> tuple[int, str | None]:
         """Remove what the ended worker left in the scratch dir, after its processes are gone (so none can write
-        there again); why it could not, or None."""
+        there again): the disk space it took, and why it could not be removed, or None."""
         try:
-            empty_scratch(self.scratch)
+            return empty_scratch(self.scratch), None
         except (OSError, RecursionError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return None
+            return 0, f"{type(exc).__name__}: {exc}"
 
     def _spawn(self, request: dict, fds: list[int]) -> None:
         """Hand the kernel's descriptors to the spare worker, forked ahead (when the template had cleaned up after
@@ -432,13 +435,11 @@ class _TemplateLink:
         self.sock.send(json.dumps({"finish": pid}).encode())
 
     def ended(self, pid: int, wait_s: float) -> dict:
-        """How the worker ended, once its processes are gone and the scratch dir emptied: {"status": its exit status,
-        "scratch_bytes": what it left there, "unclean": why the scratch dir is not empty, or None}. Waits up to
+        """How the worker ended (_ending), once its processes are gone and the scratch dir emptied. Waits up to
         `wait_s` for the template to say."""
         while pid not in self.exits:
             if self._next(wait_s) is None:
-                why = f"the template did not report the end of worker {pid} in {wait_s}s"
-                return {"status": None, "scratch_bytes": 0, "unclean": why}
+                return _ending(unclean=f"the template did not report the end of worker {pid} in {wait_s}s")
         return self.exits.pop(pid)
 
     def _next(self, wait_s: float | None) -> dict | None:
@@ -523,7 +524,7 @@ class _Relay:
         while the call waits."""
         if self.ending is None:
             if not self.pid:
-                self.ending = {"status": None, "scratch_bytes": 0, "unclean": None}
+                self.ending = _ending()
             else:
                 if not self.died:
                     self.link.finish(self.pid)

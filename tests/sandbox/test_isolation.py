@@ -40,6 +40,7 @@ from stare_sandbox.isolation import (
     Limits,
     _die_with_parent,
     detect_isolation,
+    empty_scratch,
     kernel_argv,
     kernel_env,
     make_scratch,
@@ -326,6 +327,28 @@ def test_scratch_bytes_counts_each_file_once_and_follows_no_link(tmp_path):
     (scratch / "link").symlink_to(big)
     du = subprocess.run(["du", "-s", "-B1", str(scratch)], capture_output=True, text=True, check=True)
     assert scratch_bytes(scratch) == int(du.stdout.split()[0]) < 2_000_000
+
+
+def test_emptying_a_scratch_dir_keeps_the_kernels_files_and_returns_what_it_removed(tmp_path):
+    scratch = make_scratch(tmp_path / "root", uid=None)
+    (scratch / "kernel.json").write_text("{}")
+    (scratch / ".ipython").mkdir()
+    (scratch / "top").write_bytes(b"x" * 100_000)
+    locked = scratch / "a" / "b"
+    locked.mkdir(parents=True)
+    (locked / "f").write_bytes(b"y" * 300_000)
+    os.link(locked / "f", scratch / "same")  # counted once
+    du = subprocess.run(["du", "-s", "-B1", str(scratch)], capture_output=True, text=True, check=True)
+    locked.chmod(0o000)  # unreadable until emptying makes it removable
+    (scratch / "a").chmod(0o500)
+    kept = (
+        scratch_bytes(scratch / ".ipython")
+        + scratch_bytes(scratch / "kernel.json")
+        + os.lstat(scratch).st_blocks * 512
+    )
+    removed = empty_scratch(scratch)
+    assert sorted(p.name for p in scratch.iterdir()) == [".ipython", "kernel.json"]
+    assert removed == int(du.stdout.split()[0]) - kept > 400_000
 
 
 # --- process mode ------------------------------------------------------------------------------------
