@@ -399,6 +399,7 @@ def _lab(argv: list[str]) -> int:
 def _expected_failure(exc: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) for a failure that is the input's or the environment's, not a bug."""
     from stare_agent.audit import MaskAuditError
+    from stare_agent.backends.local.common import NonFiniteGradient
     from stare_agent.batching import NoStepTrained, SandboxFailures
     from stare_sandbox.client import SandboxUnavailable
 
@@ -412,6 +413,8 @@ def _expected_failure(exc: Exception) -> tuple[int, str] | None:
         return 4, str(exc)
     if isinstance(exc, MaskAuditError):
         return 5, f"mask audit (rollout.audit_masks): {exc}"
+    if isinstance(exc, NonFiniteGradient):
+        return 6, str(exc)
     return None
 
 

@@ -115,6 +115,16 @@ def test_expected_failures_print_one_line_and_leave_no_run_folder(tmp_path, monk
     assert not (tmp_path / "runs").exists() and not (tmp_path / "x.jsonl").exists()
 
 
+def test_a_run_stopped_by_a_non_finite_gradient_exits_6_with_its_message():
+    from stare_agent.backends.local.common import NonFiniteGradient
+    from stare_agent.cli import _expected_failure
+
+    assert _expected_failure(NonFiniteGradient("rl step 3, update 1: the gradient norm is nan")) == (
+        6,
+        "rl step 3, update 1: the gradient norm is nan",
+    )
+
+
 def test_bad_arguments_are_usage_errors():
     out = run_cli("data", "make-sft", "--n", "2", "--out", "x.jsonl", "--error-fraction", "1.5")
     assert out.returncode == 2 and "expected a number in [0, 1], got '1.5'" in out.stderr

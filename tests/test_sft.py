@@ -95,6 +95,46 @@ def test_a_killed_save_leaves_the_last_good_checkpoint(tmp_path, tiny_model_dir,
     assert common.load_trainer_state(good)["step"] == 2
 
 
+def test_a_non_finite_gradient_stops_the_run_and_applies_nothing(tmp_path, tiny_model_dir, monkeypatch):
+    """One NaN step would make every weight NaN: the run stops at it with the weights, the optimizer state and the
+    latest checkpoint as they were before it."""
+    run_dir = tmp_path / "nan"
+    sft.run(config(tmp_path, tiny_model_dir, "nan", "max_steps=2", "save_every=2"))
+    good = common.latest_checkpoint(run_dir)
+    real_loss = sft.token_loss_sum
+
+    def poisoned(*args, **kwargs):
+        loss, count = real_loss(*args, **kwargs)
+        return loss * torch.tensor(float("nan")), count
+
+    monkeypatch.setattr(sft, "token_loss_sum", poisoned)
+    with pytest.raises(common.NonFiniteGradient, match=r"^sft step 3: the gradient norm is nan .*not applied"):
+        sft.run(config(tmp_path, tiny_model_dir, "nan", "max_steps=4", "save_every=1", "resume=auto"))
+    assert common.latest_checkpoint(run_dir) == good  # step 3 saved nothing
+
+
+def test_clip_and_step_checks_the_norm_before_it_touches_anything():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(4, 3)).sum().backward()
+    expected = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters()))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert common.clip_and_step(model, optimizer, None, 1e-3) == pytest.approx(float(expected))  # before clipping
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    model(torch.ones(4, 3)).sum().backward()
+    model[1].weight.grad[0, 1] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    with pytest.raises(
+        common.NonFiniteGradient, match=r"^here: the gradient norm is inf \(1 of 4 .* first 1\.weight\)"
+    ):
+        common.clip_and_step(model, optimizer, None, 1.0, "here: ")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(torch.equal(m, optimizer.state[p]["exp_avg"]) for m, p in zip(moments, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_collate_masks_and_loss_counts_only_model_tokens(tiny_tokenizer):
     examples = [SFTExample("a", [5, 6, 7, 8], [0, 0, 1, 1], "x"), SFTExample("b", [5, 6], [0, 1], "y")]
     ids, attention, loss_mask = sft.collate(examples, tiny_tokenizer.pad_token_id, torch.device("cpu"))

@@ -103,11 +103,28 @@ def make_optimizer(model: torch.nn.Module, config: OptimConfig, total_steps: int
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float) -> float:
+class NonFiniteGradient(RuntimeError):
+    """An update's gradient norm was NaN or infinite. Nothing was applied: the weights and the optimizer state are
+    those before the update, and so is the latest checkpoint."""
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float, where: str = "") -> float:
     """Clip (when max_grad_norm > 0), step (and the scheduler, unless None), zero the gradients; returns the
-    gradient norm before clipping."""
+    gradient norm before clipping. Raises NonFiniteGradient, having applied nothing, when that norm is NaN or
+    infinite: one such step makes every weight NaN, and every later step and checkpoint with it. `where` starts
+    the message (e.g. "rl step 12, update 2: ")."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if not math.isfinite(float(norm)):
+        bad = [n for n, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteGradient(
+            f"{where}the gradient norm is {float(norm)} ({len(bad)} of {len(params)} parameter tensors have "
+            f"non-finite gradients, first {', '.join(bad[:3])}); the update was not applied, so the weights and the "
+            "latest checkpoint are those before it (a lower optim.lr, or optim.max_grad_norm, may help)"
+        )
+    if max_grad_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
     optimizer.step()
     if scheduler is not None:
         scheduler.step()

@@ -474,7 +474,8 @@ class Trainer:
         norms, losses = [], []
         for update, rows in enumerate(self.mini_batches(len(batch.ids))):
             sums = self.accumulate_gradients(batch, rows, update)
-            norms.append(clip_and_step(self.model, self.optimizer, None, cfg.optim.max_grad_norm))
+            where = f"rl step {self.step + 1}, update {update + 1}: "
+            norms.append(clip_and_step(self.model, self.optimizer, None, cfg.optim.max_grad_norm, where))
             losses.append(float(sums.pop("loss")))
             for key, value in sums.items():
                 merge = max if key.endswith("_max") else (lambda a, b: a + b)

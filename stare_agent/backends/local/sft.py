@@ -150,7 +150,7 @@ def run(config: SFTConfig) -> Path:
             (loss_sum / max(n_trained, 1)).backward()
             loss_total += float(loss_sum.detach())
             tokens += int(batch[1].sum())
-        grad_norm = clip_and_step(model, optimizer, scheduler, config.optim.max_grad_norm)
+        grad_norm = clip_and_step(model, optimizer, scheduler, config.optim.max_grad_norm, f"sft step {step + 1}: ")
         step += 1
         bar.update(1)
         metrics = {"train/loss": loss_total / max(n_trained, 1), "train/grad_norm": grad_norm}
