@@ -22,7 +22,8 @@ import asyncio
 import statistics
 import time
 
-from bench_sandbox import descendants  # same directory: run as a script
+from bench_clean_state import EXPECTED, SNIPPET  # same directory: run as a script
+from bench_sandbox import descendants
 
 from stare_sandbox.isolation import detect_isolation
 from stare_sandbox.pool import RESET_CODE, KernelPool, PoolSettings
@@ -56,9 +57,7 @@ async def measure(mode: str, kernels: int, clean_state: str = "fork", calls: int
         while pool.ready_count < kernels:
             await asyncio.sleep(0.2)
         for _ in range(calls):
-            if (
-                await run_stateless(pool, "import sympy\nprint(sympy.factor(sympy.Symbol('x')**2 - 1))", 30)
-            ).status != "ok":
+            if (await run_stateless(pool, SNIPPET, 30)).stdout != EXPECTED:
                 raise RuntimeError("a stateless call failed")
         while pool.ready_count < kernels:  # back from their last call (reset, or cleaned up after)
             await asyncio.sleep(0.2)

@@ -130,12 +130,10 @@ class _CallCaps:
         cpu_start = await asyncio.to_thread(meter.cpu_seconds) if cpu_cap else 0.0
         return cls(kernel, meter, limits, cpu_cap, cpu_start)
 
-    async def exceeded(
-        self, *, during: bool, scratch_left: int = 0, scratch_emptied: bool = False
-    ) -> tuple[str, ErrorInfo] | None:
-        """(status, error) if the call went over a cap, after killing the kernel; else None. `scratch_left`: bytes
-        the call's worker left in the scratch dir, which the template has emptied since (clean_state fork);
-        `scratch_emptied`: the call ended its worker, so that is all there was (no walk of the dir)."""
+    async def exceeded(self, *, during: bool, scratch_left: int | None = None) -> tuple[str, ErrorInfo] | None:
+        """(status, error) if the call went over a cap, after killing the kernel; else None. `scratch_left`: when
+        the call's worker has ended (clean_state fork), the bytes it left in the scratch dir, which the template has
+        emptied since: then that is what counts, and the dir is not walked."""
         over = self.memory_exceeded()
         if over is None and during and self.cpu_cap:
             used = await asyncio.to_thread(self.meter.cpu_seconds) - self.cpu_start
@@ -149,9 +147,7 @@ class _CallCaps:
                     ),
                 )
         if over is None and self.limits.scratch_mb:
-            held = scratch_left
-            if not scratch_emptied:
-                held = max(held, await asyncio.to_thread(self.meter.scratch_bytes))
+            held = await asyncio.to_thread(self.meter.scratch_bytes) if scratch_left is None else scratch_left
             if held > self.limits.scratch_mb * 2**20:
                 over = (
                     "error",
@@ -267,7 +263,9 @@ class Kernel:
             stdout, stderr = _Head(output_limit_bytes), _Head(output_limit_bytes)
         files: dict[str, str] = {}
         exit_status: int | None = None
-        left_in_scratch = 0  # what an ended worker left in the scratch dir before the template emptied it
+        # What the call's worker left in the scratch dir before the template emptied it: 0 unless reported, for a
+        # worker that ends before the reply; None (walk the dir) for one that runs on (a session's)
+        left_in_scratch: int | None = 0 if worker in ("call", "end") else None
         limits = settings.limits if user else dataclasses.replace(settings.limits, call_cpu_s=0.0, scratch_mb=0)
         caps = await _CallCaps.begin(self, timeout_s, limits)
         msg_id = self._send_execute(code, worker)
@@ -361,10 +359,7 @@ class Kernel:
                     status = "error"
             elif kind == "status" and content.get("execution_state") == "idle":
                 break
-        emptied = worker in ("call", "end")  # its worker ended before the reply, and the template emptied the dir
-        if not self.dead and (
-            over := await caps.exceeded(during=False, scratch_left=left_in_scratch, scratch_emptied=emptied)
-        ):
+        if not self.dead and (over := await caps.exceeded(during=False, scratch_left=left_in_scratch)):
             status, error = over
         await self._drain_shell()
         result = RunResult(
