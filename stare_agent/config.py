@@ -26,6 +26,7 @@ from stare_agent.entropy_control import (
     KLCovConfig,
     LowProbReweightConfig,
 )
+from stare_agent.provenance import record_start
 from stare_agent.stare import StareConfig
 from stare_sandbox.client import check_url, check_urls
 from stare_sandbox.configfile import ConfigError, load_config
@@ -399,10 +400,12 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 def save_config(config: Any, run_dir: str | Path) -> Path:
-    """Write the resolved config as `config.yaml` in the run directory; it loads back to an equal config."""
+    """Write the resolved config as `config.yaml` in the run directory (it loads back to an equal config), and
+    record which code this start of the run runs (provenance.record_start: a line of provenance.jsonl)."""
     out = Path(run_dir) / "config.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    record_start(run_dir)
     return out
 
 

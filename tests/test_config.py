@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import stare_agent
 from stare_agent.config import ConfigError, RLConfig, StareConfig, load_config, save_config
 from stare_agent.lab.simulate import SimulateConfig
+from stare_agent.provenance import PROVENANCE, source_version
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,3 +208,46 @@ def test_sandbox_urls_reach_the_client_and_exclude_url():
         load_config(RLConfig, overrides=["sandbox.url=http://127.0.0.1:8765", "sandbox.urls=[http://127.0.0.1:8766]"])
     with pytest.raises(ConfigError, match=r"\[1\].*listed twice"):
         load_config(RLConfig, overrides=["sandbox.urls=[http://127.0.0.1:8765,http://127.0.0.1:8765]"])
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_every_start_of_a_run_records_the_code_it_runs(tmp_path):
+    """save_config appends one provenance line per call (a resumed run adds one), with the commit of the checkout
+    the package was imported from and its uncommitted changes."""
+    save_config(RLConfig(), tmp_path)
+    save_config(RLConfig(), tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / PROVENANCE).read_text().splitlines()]
+    assert len(lines) == 2 and lines[0]["stare_agent"] == stare_agent.__version__
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        assert lines[0]["git"] is None
+        return
+    changed = [line[3:] for line in _git(REPO, "status", "--porcelain", "--untracked-files=no").splitlines()]
+    assert lines[0]["git"] == {
+        "commit": _git(REPO, "rev-parse", "HEAD").strip(),
+        "dirty": bool(changed),
+        "changed": changed[:50],
+        "changed_count": len(changed),
+    }
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_copy_installed_inside_another_repository_is_not_given_its_commit(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "f").write_text("1")
+    _git(tmp_path, "add", "f")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    installed = tmp_path / "venv" / "site-packages" / "stare_agent"
+    installed.mkdir(parents=True)
+    assert source_version(installed) is None
+    (tmp_path / "stare_agent").mkdir()
+    (tmp_path / "f").write_text("2")
+    found = source_version(tmp_path / "stare_agent")
+    assert found == {
+        "commit": _git(tmp_path, "rev-parse", "HEAD").strip(),
+        "dirty": True,
+        "changed": ["f"],
+        "changed_count": 1,
+    }
