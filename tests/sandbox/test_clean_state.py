@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -155,3 +158,66 @@ def test_the_probes_do_change_the_state_they_probe(one_kernel_pool):
     assert patched.stdout == "patched\n"
     before, after = _state(before.stdout), _state(after.stdout)
     assert set(_leaks(before, after)) == set(before)
+
+
+# --- the warm pages: what every worker would copy on write, copied by its spare while it waits ---------------------
+
+COPY_AHEAD = """
+import ctypes, mmap, os, socket, sys
+from stare_sandbox.template import copy_ahead, own_pages
+page = os.sysconf("SC_PAGE_SIZE")
+area = mmap.mmap(-1, 64 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+area[:] = bytes(range(256)) * (64 * page // 256)  # every page present, and shared with the child after the fork
+start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+waiting, ready = socket.socketpair()
+if sys.argv[1] == "interrupted":
+    ready.send(b"x")
+pid = os.fork()
+if pid == 0:
+    copy_ahead([(start + 8 * page, 16 * page), (start + 40 * page, page)], interrupt=waiting)
+    copied = own_pages("/proc/self/pagemap", [(start, start + 64 * page)])
+    unchanged = area[:] == bytes(range(256)) * (64 * page // 256)
+    print([((address - start) // page, length // page) for address, length in copied], unchanged, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.parametrize("case", ["waiting", "interrupted"])
+def test_copy_ahead_makes_the_pages_a_processs_own_and_keeps_what_they_hold(case):
+    """After a fork the pages are shared; copy_ahead copies exactly the runs asked for (own_pages sees them as the
+    process's own, the others stay shared), holding the same bytes; and nothing once its interrupt has come."""
+    done = subprocess.run([sys.executable, "-c", COPY_AHEAD, case], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    copied = [] if case == "interrupted" else [(8, 16), (40, 1)]
+    assert done.stdout == f"{copied} True\n"
+
+
+SPARE = """
+import json, os, socket, time
+import sympy
+from stare_sandbox import template
+kernel, mine = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+made = template.Template(mine, {"__name__": "__main__"})
+page = os.sysconf("SC_PAGE_SIZE")
+warm = {start + offset for start, length in made.warm for offset in range(0, length, page)}
+spare = made.spare[0]
+for _ in range(200):
+    regions = template.writable_regions(open(f"/proc/{spare}/maps").read())
+    own = {start + offset for start, length in template.own_pages(f"/proc/{spare}/pagemap", regions)
+           for offset in range(0, length, page)}
+    if warm <= own:
+        break
+    time.sleep(0.05)
+print(json.dumps({"warm": len(warm), "not_copied": len(warm - own)}))
+"""
+
+
+def test_the_spare_worker_copies_the_pages_a_cell_writes_before_it_is_handed_out(tmp_path):
+    """The template learns which pages a worker writes to run any cell (a worker of its own runs WARM_CELL), and
+    each spare worker copies them while it waits, so the call that gets it does not fault on them."""
+    env = {**os.environ, "HOME": str(tmp_path)}  # the template's scratch dir
+    done = subprocess.run([sys.executable, "-c", SPARE], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["warm"] > 100 and report["not_copied"] == 0
