@@ -64,6 +64,7 @@ _EARLY_CODE_CHARS = 32_768  # a cell up to this size is sent before its worker i
 _PR_SET_PDEATHSIG = 1
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable (a copy-on-write page is copied), contents kept
 _PAGE_OWN = 1 << 63 | 1 << 56  # a pagemap entry's bits: present, mapped by this process only
+_REGION_MAX_BYTES = 1 << 30  # larger mappings are not searched for warm pages (8 bytes of pagemap per 4 KiB page)
 WARM_CELL = "print(0)\n"
 """The cell whose pages each worker copies ahead (Template.warm): what running any cell writes."""
 
@@ -154,13 +155,15 @@ def _prime() -> None:
 
 
 def writable_regions(maps: str) -> list[tuple[int, int]]:
-    """(start, end) of the private writable mappings in a /proc/PID/maps text: where copy-on-write copies pages."""
+    """(start, end) of the private writable mappings in a /proc/PID/maps text: where copy-on-write copies pages.
+    Those over _REGION_MAX_BYTES are left out (an allocator's reserve: reading its page entries would cost more
+    memory than the pages it ever touches)."""
     regions = []
     for line in maps.splitlines():
         span, perms = line.split(maxsplit=2)[:2]
-        if perms.startswith("rw") and perms[3] == "p":
-            start, end = span.split("-")
-            regions.append((int(start, 16), int(end, 16)))
+        start, end = (int(value, 16) for value in span.split("-"))
+        if perms.startswith("rw") and perms[3] == "p" and end - start <= _REGION_MAX_BYTES:
+            regions.append((start, end))
     return regions
 
 

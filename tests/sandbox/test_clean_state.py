@@ -221,3 +221,21 @@ def test_the_spare_worker_copies_the_pages_a_cell_writes_before_it_is_handed_out
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["warm"] > 100 and report["not_copied"] == 0
+
+
+def test_warm_pages_are_searched_in_private_writable_mappings_up_to_a_gigabyte():
+    from stare_sandbox.template import writable_regions
+
+    maps = (
+        "7f0000000000-7f0000004000 rw-p 00000000 00:00 0 \n"  # anonymous: searched
+        "7f0000004000-7f0000008000 r--p 00000000 08:01 12 /usr/lib/libc.so.6\n"  # read-only
+        "7f0000008000-7f000000c000 rw-s 00000000 00:05 3 /dev/shm/x\n"  # shared: writes are not copies
+        "7f000000c000-7f004000c000 rw-p 00000000 00:00 0 \n"  # exactly 1 GiB: searched
+        "7f004000c000-7f008000d000 rw-p 00000000 00:00 0 \n"  # 1 GiB and a page: left out
+        "7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0                          [stack]\n"
+    )
+    assert writable_regions(maps) == [
+        (0x7F0000000000, 0x7F0000004000),
+        (0x7F000000C000, 0x7F004000C000),
+        (0x7FFD00000000, 0x7FFD00021000),
+    ]
