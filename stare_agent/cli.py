@@ -399,8 +399,8 @@ def _lab(argv: list[str]) -> int:
 def _expected_failure(exc: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) for a failure that is the input's or the environment's, not a bug."""
     from stare_agent.audit import MaskAuditError
-    from stare_agent.backends.local.common import NonFiniteGradient
     from stare_agent.batching import NoStepTrained, SandboxFailures
+    from stare_agent.runtime import NonFiniteGradient
     from stare_sandbox.client import SandboxUnavailable
 
     if isinstance(exc, (ConfigError, DataError)):
@@ -413,8 +413,8 @@ def _expected_failure(exc: Exception) -> tuple[int, str] | None:
         return 4, str(exc)
     if isinstance(exc, MaskAuditError):
         return 5, f"mask audit (rollout.audit_masks): {exc}"
-    if isinstance(exc, NonFiniteGradient):
-        return 6, str(exc)
+    if isinstance(exc, NonFiniteGradient):  # from an openrlhf rank: Ray's error, whose `cause` is ours
+        return 6, str(getattr(exc, "cause", None) or exc)
     return None
 
 

@@ -1,5 +1,6 @@
-"""What every command's process needs whichever backend runs it: the sandbox client a run's episodes use, and
-torch's CPU thread count. Both backends and the CLI take these from here (backends never import each other).
+"""What every command's process needs whichever backend runs it: the sandbox client a run's episodes use, torch's
+CPU thread count, and the error a non-finite update stops a run with. Both backends and the CLI take these from here
+(backends never import each other).
 """
 
 from __future__ import annotations
@@ -39,3 +40,10 @@ def set_threads(run: RunConfig) -> None:
     """
     if run.threads:
         torch.set_num_threads(run.threads)
+
+
+class NonFiniteGradient(RuntimeError):
+    """An update's gradients were NaN or infinite, so the run stops (exit code 6). Nothing of that update was
+    applied: the weights and the optimizer state are those before it, and the latest checkpoint is from before it.
+    The local backend checks the gradient norm before it steps (common.clip_and_step); in the openrlhf backend
+    DeepSpeed checks it (bf16 and fp16) and skips the update, and the rank then raises this (updates.py)."""

@@ -116,8 +116,8 @@ def test_expected_failures_print_one_line_and_leave_no_run_folder(tmp_path, monk
 
 
 def test_a_run_stopped_by_a_non_finite_gradient_exits_6_with_its_message():
-    from stare_agent.backends.local.common import NonFiniteGradient
     from stare_agent.cli import _expected_failure
+    from stare_agent.runtime import NonFiniteGradient
 
     assert _expected_failure(NonFiniteGradient("rl step 3, update 1: the gradient norm is nan")) == (
         6,

@@ -614,7 +614,9 @@ def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks):
     seen = []
     rank = object.__new__(hooks.StarePolicyModelActor)
     rank.strategy = NS(args=NS(actor=NS(entropy_coef=None)))
-    rank.trainer = NS(actor_loss_fn=PolicyLoss(0.2, 0.28), training_step=lambda exp, *a, **k: seen.append(exp))
+    engine = NS(skipped_steps=0)  # DeepSpeed's count of the updates it skipped (test_openrlhf_nonfinite.py)
+    rank.trainer = NS(actor_loss_fn=PolicyLoss(0.2, 0.28), training_step=lambda exp, *a, **k: seen.append(exp),
+                      actor=NS(model=engine))  # fmt: skip
     with pytest.raises(RuntimeError, match="set_update_control"):
         hooks.updates.prepare_fit(rank)
     bonus = rl_config("entropy_bonus", entropy_bonus=EntropyBonusConfig())
@@ -831,6 +833,13 @@ def test_the_private_openrlhf_names_we_rely_on_are_unchanged(hooks):
     assert parameters(ActorPPOTrainer.training_step)[:2] == ["self", "experience"]
     assert {"actor_loss_fn", "entropy_coef"} <= set(ActorPPOTrainer.training_step.__code__.co_names)
     assert parameters(actor.fit) == ["self", "kl_ctl"]
+    # updates.skipped_updates: the training step steps the trainer's Actor, whose `model` is the DeepSpeed engine
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    assert {"optimizer_step", "actor"} <= set(ActorPPOTrainer.training_step.__code__.co_names)
+    assert {"model", "step"} <= set(DeepspeedStrategy.optimizer_step.__code__.co_names)
+    assert "skipped_steps" in DeepSpeedEngine.__init__.__code__.co_names
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # runpy: the CLI module was imported before

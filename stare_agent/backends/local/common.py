@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from stare_agent.config import ConfigError, ModelConfig, OptimConfig
+from stare_agent.runtime import NonFiniteGradient
 
 CHECKPOINTS = "checkpoints"
 TRAINER_STATE = "trainer_state.pt"
@@ -101,11 +102,6 @@ def make_optimizer(model: torch.nn.Module, config: OptimConfig, total_steps: int
         return config.min_lr_ratio + (1 - config.min_lr_ratio) * shape
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-class NonFiniteGradient(RuntimeError):
-    """An update's gradient norm was NaN or infinite. Nothing was applied: the weights and the optimizer state are
-    those before the update, and so is the latest checkpoint."""
 
 
 def clip_and_step(model: torch.nn.Module, optimizer, scheduler, max_grad_norm: float, where: str = "") -> float:
