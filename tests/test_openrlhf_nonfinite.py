@@ -3,7 +3,7 @@
 Runs in .venv-openrlhf (skipped where openrlhf is not installed). DeepSpeed is real: one rank on the CPU
 (DS_ACCELERATOR=cpu, gloo), bf16 and ZeRO-2 as OpenRLHF configures it, around a two-layer model; what stands in for
 OpenRLHF's policy rank is only what prepare_fit reads (its trainer, with a training step that runs a micro-batch
-through the engine, and the step's update control).
+through the engine, and the step's update control); for SFT, OpenRLHF's own strategy and Actor step the engine.
 """
 
 from __future__ import annotations
@@ -77,13 +77,35 @@ try:
     out["nan"] = {"raised": None}
 except NonFiniteGradient as exc:
     out["nan"] = {"raised": str(exc), "skipped": engine.skipped_steps, "moved": moved(before)}
+# SFT: OpenRLHF's SFT trainer steps through the strategy, which sft.install wraps
+from openrlhf.utils.deepspeed import DeepspeedStrategy
+from stare_agent.backends.openrlhf import sft
+
+sft.install(sft.EntryOptions(truncation="right", warmup_steps=0))
+actor = updates._actor_module.Actor.__new__(updates._actor_module.Actor)
+torch.nn.Module.__init__(actor)
+actor.model = engine  # an Actor after the strategy prepared it
+strategy = object.__new__(DeepspeedStrategy)
+for scale in (1.0, 1.0):
+    engine.backward(engine(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum() * scale)
+    strategy.optimizer_step(None, actor, None)
+before = weights()
+engine.backward(engine(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum())
+strategy.optimizer_step(None, actor, None)
+engine.backward(engine(torch.ones(1, 4, dtype=torch.bfloat16)).float().sum() * float("nan"))
+try:
+    strategy.optimizer_step(None, actor, None)
+    out["sft"] = {"raised": None}
+except NonFiniteGradient as exc:
+    out["sft"] = {"raised": str(exc), "skipped": engine.skipped_steps, "moved": moved(before)}
 print(json.dumps(out))
 """
 
 
 def test_an_update_deepspeed_skips_for_non_finite_gradients_stops_the_run():
     """DeepSpeed 0.19.6 under bf16 skips an update whose gradients are NaN and says nothing (the first case); our
-    training step raises NonFiniteGradient at that update, naming the step, and the weights are those before it."""
+    RL training step, and the strategy's optimizer step as SFT installs it, raise NonFiniteGradient at that update,
+    naming the step, and the weights are those before it."""
     pytest.importorskip("openrlhf")
     pytest.importorskip("deepspeed")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -94,6 +116,10 @@ def test_an_update_deepspeed_skips_for_non_finite_gradients_stops_the_run():
     assert out["finite"] == {"skipped": 1, "moved": True}
     assert out["nan"]["raised"].startswith("rl step 7: the gradients of an optimizer update were not finite")
     assert out["nan"]["skipped"] == 2 and out["nan"]["moved"] is False
+    # SFT, the same engine, numbered as OpenRLHF logs it (DeepSpeed's global_steps, which counts skipped updates):
+    # 4 updates before it (2 of them skipped)
+    assert out["sft"]["raised"].startswith("sft step 5: the gradients of an optimizer update were not finite")
+    assert out["sft"]["skipped"] == 3 and out["sft"]["moved"] is False
 
 
 def test_the_cli_prints_the_ranks_message_of_a_non_finite_update_not_rays_traceback():

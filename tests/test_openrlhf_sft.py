@@ -362,11 +362,18 @@ def test_main_runs_train_sft_with_our_dataset_in_its_namespace(orl, monkeypatch)
 
     import openrlhf.utils.deepspeed.deepspeed as strategy_module
 
+    def owner(path):  # a module, or a class of one
+        try:
+            return importlib.import_module(path)
+        except ModuleNotFoundError:
+            module, name = path.rsplit(".", 1)
+            return getattr(importlib.import_module(module), name)
+
     originals = {}
     for dotted in sft.PATCHED:
-        module, name = dotted.rsplit(".", 1)
-        originals[dotted] = getattr(importlib.import_module(module), name)
-        monkeypatch.setattr(importlib.import_module(module), name, originals[dotted])  # undone after the test
+        path, name = dotted.rsplit(".", 1)
+        originals[dotted] = getattr(owner(path), name)
+        monkeypatch.setattr(owner(path), name, originals[dotted])  # undone after the test
     monkeypatch.setattr(sys, "argv", ["sft.py"])
     seen = {}
 
@@ -390,12 +397,16 @@ def test_main_runs_train_sft_with_our_dataset_in_its_namespace(orl, monkeypatch)
     # the scheduler factory the strategy builds its partial from, at call time (pinned: its global name)
     assert "get_scheduler" in strategy_module.DeepspeedStrategy._ds_init_train_model.__code__.co_names
     assert strategy_module.get_scheduler.__wrapped__ is originals["openrlhf.utils.deepspeed.deepspeed.get_scheduler"]
+    step = "openrlhf.utils.deepspeed.deepspeed.DeepspeedStrategy.optimizer_step"  # test_openrlhf_nonfinite.py
+    assert strategy_module.DeepspeedStrategy.optimizer_step.__wrapped__ is originals[step]
 
 
 def test_warmup_steps_are_exact_and_the_cosine_matches_the_local_schedule(orl, monkeypatch):
     import openrlhf.utils.deepspeed.deepspeed as strategy_module
 
     monkeypatch.setattr(strategy_module, "get_scheduler", strategy_module.get_scheduler)
+    strategy = strategy_module.DeepspeedStrategy
+    monkeypatch.setattr(strategy, "optimizer_step", strategy.optimizer_step)
     sft.install(sft.EntryOptions(truncation="right", warmup_steps=7))
     cfg, total = config("optim.warmup_steps=7", "optim.schedule=cosine", "optim.min_lr_ratio=0.1"), 40
     flags = {name: value for name, (value, _) in sft.sft_flags(cfg).items()}

@@ -16,8 +16,7 @@ it (the method, its settings, the step, the entropy bonus's alpha) reaches every
   already scaled the advantages). For every method it adds the update's ratio statistics to the micro-batch's
   `info`, which OpenRLHF averages over tokens and logs (`train/clip_frac_high`, ...).
 - **Non-finite gradients.** DeepSpeed skips an optimizer update whose gradients are NaN or infinite, silently;
-  the rank's training step then raises runtime.NonFiniteGradient, which stops the run (exit code 6), as the local
-  backend does.
+  the rank's training step then stops the run (upstream.stop_if_skipped: exit code 6), as the local backend does.
 - **The entropy bonus.** OpenRLHF's training step subtracts `actor.entropy_coef` times the current policy's token
   mean entropy (the same normalisation as the policy loss). The rank sets that coefficient to this step's alpha
   (None when 0 or another method: no entropy pass); a user's own `actor.entropy_coef` is refused by the launcher.
@@ -35,7 +34,6 @@ from stare_agent import protocol
 from stare_agent.backends.openrlhf import upstream
 from stare_agent.entropy_control import UPDATE_METHODS, EntropyControl, selection_loss_terms
 from stare_agent.loss import ratio_stats, token_losses
-from stare_agent.runtime import NonFiniteGradient
 from stare_agent.step import UpdatePart, class_masks, update_selection
 
 _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
@@ -237,28 +235,15 @@ def prepare_fit(rank: Any) -> None:
 
         def training_step(experience: Any, *args: Any, **kwargs: Any) -> Any:
             rank.update_control.current = experience
-            skipped = skipped_updates(trainer)
+            engine = trainer.actor.model  # the Actor's DeepSpeed engine
+            skipped = int(engine.skipped_steps)
             metrics = step(experience, *args, **kwargs)
-            if skipped_updates(trainer) > skipped:
-                raise NonFiniteGradient(
-                    f"rl step {rank.update_control.control.step}: the gradients of an optimizer update were not "
-                    "finite (NaN or inf), so DeepSpeed skipped it; nothing of that update was applied, so the "
-                    "weights and the latest checkpoint are those before it (a lower optim.lr, or "
-                    "optim.max_grad_norm, may help)"
-                )
+            upstream.stop_if_skipped(engine, skipped, f"rl step {rank.update_control.control.step}")
             return metrics
 
         trainer.training_step = training_step
     _actor_module.iter_grad_accum_global_norm = selecting_windows
     _active["rank"] = rank
-
-
-def skipped_updates(trainer: Any) -> int:
-    """The optimizer updates DeepSpeed skipped in this rank's run so far: those whose gradients were not finite. It
-    checks them under bf16 and fp16 (the only dtypes OpenRLHF trains in), on every rank alike, and skips such an
-    update without a word, so a run would go on looking healthy with its updates skipped; the rank raises instead,
-    as the local backend does (runtime.NonFiniteGradient)."""
-    return int(trainer.actor.model.skipped_steps)  # the Actor's DeepSpeed engine
 
 
 def finish_fit() -> None:

@@ -101,6 +101,22 @@ def _importable() -> Iterator[None]:
             sys.modules.pop(name, None)
 
 
+def stop_if_skipped(engine: Any, skipped_before: int, where: str) -> None:
+    """Raise runtime.NonFiniteGradient if the DeepSpeed `engine` skipped an optimizer update since its
+    `skipped_steps` was `skipped_before`: it checks the gradients under bf16 and fp16 (the only dtypes OpenRLHF
+    trains in), on every rank alike, and skips an update whose gradients are NaN or infinite without a word, so a
+    run would go on with its updates skipped and its metrics looking healthy. `where` starts the message
+    ("rl step 12"). The RL ranks (updates.prepare_fit) and the SFT ranks (sft.install) both check here."""
+    from stare_agent.runtime import NonFiniteGradient
+
+    if int(engine.skipped_steps) > skipped_before:
+        raise NonFiniteGradient(
+            f"{where}: the gradients of an optimizer update were not finite (NaN or inf), so DeepSpeed skipped it; "
+            "nothing of that update was applied, so the weights and the latest checkpoint are those before it (a "
+            "lower optim.lr, or optim.max_grad_norm, may help)"
+        )
+
+
 def import_openrlhf(name: str) -> types.ModuleType:
     """Import an openrlhf module, with stand-ins for flash_attn and vllm where they are not installed."""
     check_installed()
