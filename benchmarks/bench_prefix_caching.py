@@ -85,44 +85,21 @@ def turn_ids(tokenizer: Any, filler: int, bits: int) -> list[int]:
 
 
 def script_successors(trigger: int, chain: list[int]) -> dict[int, int]:
-    """{id: the id that must follow it}: `trigger` -> chain[0], then each id of the chain -> the next one.
+    """{id: the id that must follow it}: `trigger` -> chain[0], then each id of the chain -> the next one (an id that
+    occurs twice must have the same successor both times; otherwise ValueError)."""
+    from stare_agent.lab.models import scripted_successors
 
-    The script can depend on the last id only, so an id that occurs twice must have the same successor both
-    times (the chain's last id has none: generation stops there); otherwise ValueError.
-    """
-    successors: dict[int, int] = {}
-    for current, following in zip([trigger, *chain[:-1]], chain, strict=True):
-        if successors.setdefault(current, following) != following:
-            raise ValueError(f"id {current} is followed by {successors[current]} and by {following} in the script")
-    return successors
+    return scripted_successors([[trigger, *chain]])
 
 
 def write_scripted_model(source: Path, target: Path, successors: dict[int, int]) -> Path:
-    """A copy of the model in `source` (Llama layout) whose next id after each key of `successors` is its value."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A copy of the model in `source` whose next id after each key of `successors` is its value."""
+    from stare_agent.lab import models
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    reserved = len(successors)
-    if reserved > model.config.hidden_size // 2:
-        raise SystemExit(f"{reserved} scripted ids need as many hidden dimensions; use fewer --filler words")
-    with torch.no_grad():
-        embed = model.get_input_embeddings().weight
-        head = embed.detach().clone()
-        embed[:, :reserved] = 0
-        head[:, :reserved] = 0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[:reserved] = 0
-            layer.mlp.down_proj.weight[:reserved] = 0
-        model.model.norm.weight[:reserved] = 1.0
-        for dim, (token, following) in enumerate(sorted(successors.items())):
-            embed[token, dim] = EMBED_VALUE
-            head[following, dim] = HEAD_VALUE
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(head)
-    model.save_pretrained(target)
-    AutoTokenizer.from_pretrained(source).save_pretrained(target)
-    return target
+    try:
+        return models.write_scripted_model(source, target, successors, embed_value=EMBED_VALUE, head_value=HEAD_VALUE)
+    except ValueError as exc:
+        raise SystemExit(f"{exc}; use fewer --filler words") from None
 
 
 def smollm2_folder(model: str | None, out: Path) -> Path:

@@ -6,46 +6,18 @@ generator, in a vLLM engine and in OpenRLHF's actors.
 
 from __future__ import annotations
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from stare_agent.lab.models import scripted_successors, write_scripted_model
 
 
 def chains_to_successors(chains: list[list[int]]) -> dict[int, int]:
     """{id: the id after it} from id chains; chains must agree wherever they share an id."""
-    successors = {}
-    for chain in chains:
-        for current, following in zip(chain, chain[1:], strict=False):
-            assert successors.get(current, following) == following, "chains must not disagree on a successor"
-            successors[current] = following
-    return successors
+    return scripted_successors(chains)
 
 
 def write_forced_model(source, target, successors: dict[int, int], reserved: int = 32):
-    """A copy of the model in `source` whose next id after any key of `successors` is its value (probability ~1).
-
-    The first `reserved` hidden dimensions are cleared in every embedding and never written by a layer (their rows
-    of o_proj and down_proj are zero), so there the residual stream holds only the current id's embedding. Each
-    forced id gets its own such dimension, and an untied lm_head reads it into a large logit for its successor;
-    every other id behaves as in the random model.
-    """
-    assert len(successors) <= reserved
-    model = AutoModelForCausalLM.from_pretrained(source)
-    with torch.no_grad():
-        embed = model.model.embed_tokens.weight
-        head = embed.detach().clone()
-        embed[:, :reserved] = 0
-        head[:, :reserved] = 0
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight[:reserved] = 0
-            layer.mlp.down_proj.weight[:reserved] = 0
-        for dim, (token, following) in enumerate(sorted(successors.items())):
-            embed[token, dim] = 1.0
-            head[following, dim] = 20.0
-    model.config.tie_word_embeddings = False
-    model.lm_head.weight = torch.nn.Parameter(head)
-    model.save_pretrained(target)
-    AutoTokenizer.from_pretrained(source).save_pretrained(target)
-    return target
+    """A copy of the model in `source` whose next id after any key of `successors` is its value (probability ~1):
+    lab.models.write_scripted_model with 32 reserved dimensions, whatever the script's length."""
+    return write_scripted_model(source, target, successors, reserved=reserved)
 
 
 # --- the Qwen script: stop strings inside merged tokens of the real vocabulary --------------------------------------

