@@ -175,3 +175,30 @@ def test_same_seed_same_weights_and_global_rng_untouched(tmp_path):
 def test_build_rejects_bad_shapes(tmp_path, shape, message):
     with pytest.raises(ValueError, match=message):
         build_tiny_model(tmp_path, ["x"], **shape)
+
+
+def test_a_scripted_model_follows_its_script_and_leaves_other_ids_alone(tiny_model_dir, tmp_path):
+    from stare_agent.lab.models import scripted_successors, write_scripted_model
+
+    successors = scripted_successors([[40, 41, 42, 40]])  # a cycle: 40 -> 41 -> 42 -> 40
+    scripted = write_scripted_model(tiny_model_dir, tmp_path / "scripted", successors)
+    model = AutoModelForCausalLM.from_pretrained(scripted).eval()
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([[7, 40]]), max_new_tokens=6, do_sample=False)
+        assert out[0, 2:].tolist() == [41, 42, 40, 41, 42, 40]
+        probs = model(torch.tensor([[7, 41]])).logits[0, -1].softmax(-1)
+        assert probs[42] > 0.999
+        # an id outside the script still reads the source model's other dimensions: its next-id ranking is close
+        theirs, ours = (m(torch.tensor([[7, 9]])).logits[0, -1] for m in (source, model))
+        assert torch.corrcoef(torch.stack([theirs, ours]))[0, 1] > 0.9  # measured 0.95-0.99
+
+
+def test_a_script_needs_an_id_to_have_one_successor_and_the_model_a_dimension_per_id(tiny_model_dir, tmp_path):
+    from stare_agent.lab.models import scripted_successors, write_scripted_model
+
+    with pytest.raises(ValueError, match="id 5 is followed by 6 and by 7"):
+        scripted_successors([[5, 6], [5, 7]])
+    too_many = {token: token + 1 for token in range(100, 165)}  # 65 ids; the tiny model's hidden size is 128
+    with pytest.raises(ValueError, match="65 scripted ids need as many of the model's 128 hidden dimensions"):
+        write_scripted_model(tiny_model_dir, tmp_path / "scripted", too_many)
