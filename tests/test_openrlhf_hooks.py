@@ -606,7 +606,7 @@ def test_each_update_selects_over_its_whole_window_from_the_current_policy(hooks
     assert not torch.equal(alone, second[0].stare_selected)  # the window, not the micro-batch
 
 
-def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks):
+def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks, monkeypatch):
     from openrlhf.models import PolicyLoss
 
     from stare_agent.entropy_control import EntropyBonusConfig
@@ -614,9 +614,9 @@ def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks):
     seen = []
     rank = object.__new__(hooks.StarePolicyModelActor)
     rank.strategy = NS(args=NS(actor=NS(entropy_coef=None)))
-    engine = NS(skipped_steps=0)  # DeepSpeed's count of the updates it skipped (test_openrlhf_nonfinite.py)
-    rank.trainer = NS(actor_loss_fn=PolicyLoss(0.2, 0.28), training_step=lambda exp, *a, **k: seen.append(exp),
-                      actor=NS(model=engine))  # fmt: skip
+    rank.trainer = NS(actor_loss_fn=PolicyLoss(0.2, 0.28), training_step=lambda exp, *a, **k: seen.append(exp))
+    strategy = hooks.updates._strategy_module.DeepspeedStrategy
+    monkeypatch.setattr(strategy, "optimizer_step", strategy.optimizer_step)  # prepare_fit wraps it: undone after
     with pytest.raises(RuntimeError, match="set_update_control"):
         hooks.updates.prepare_fit(rank)
     bonus = rl_config("entropy_bonus", entropy_bonus=EntropyBonusConfig())
@@ -629,6 +629,7 @@ def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks):
     assert not isinstance(rank.trainer.actor_loss_fn.original, hooks.updates.MethodLoss)  # wrapped once
     rank.trainer.training_step("micro-batch")
     assert seen == ["micro-batch"] and rank.update_control.current == "micro-batch"
+    assert strategy.optimizer_step.__wrapped__ is not strategy.optimizer_step  # the update check (nonfinite tests)
 
 
 def test_openrlhfs_entropy_term_is_the_local_backends(hooks, tiny_model):
@@ -833,13 +834,15 @@ def test_the_private_openrlhf_names_we_rely_on_are_unchanged(hooks):
     assert parameters(ActorPPOTrainer.training_step)[:2] == ["self", "experience"]
     assert {"actor_loss_fn", "entropy_coef"} <= set(ActorPPOTrainer.training_step.__code__.co_names)
     assert parameters(actor.fit) == ["self", "kl_ctl"]
-    # updates.skipped_updates: the training step steps the trainer's Actor, whose `model` is the DeepSpeed engine
+    # upstream.checking_updates: the training step steps through the strategy, which steps the Actor's `model`
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from openrlhf.utils.deepspeed import DeepspeedStrategy
 
-    assert {"optimizer_step", "actor"} <= set(ActorPPOTrainer.training_step.__code__.co_names)
-    assert {"model", "step"} <= set(DeepspeedStrategy.optimizer_step.__code__.co_names)
+    assert "optimizer_step" in ActorPPOTrainer.training_step.__code__.co_names
+    assert {"model", "step"} <= set(inspect.unwrap(DeepspeedStrategy.optimizer_step).__code__.co_names)
     assert "skipped_steps" in DeepSpeedEngine.__init__.__code__.co_names
+    assert callable(DeepSpeedZeroOptimizer_Stage3.has_overflow)  # what it finds: test_openrlhf_nonfinite.py
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # runpy: the CLI module was imported before

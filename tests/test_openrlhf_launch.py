@@ -63,6 +63,7 @@ def test_argv_spelling():
         ("openrlhf.train.micro_batch_size=2", "set by our loss.micro_batch_size"),
         ("openrlhf.ds.param_dtype=fp16", "set by our model.dtype"),
         ("model.dtype=float32", "OpenRLHF trains in bf16 or fp16"),
+        ("model.dtype=float16", "vLLM engines run in bfloat16"),
         ("model.device=cpu", "DeepSpeed places each rank on its own GPU"),
         ("run.threads=4", "local backend's CPU loop"),
         ("openrlhf.eval.dataset=/data/aime.jsonl", "evaluate the saved checkpoints with `stare-agent eval`"),

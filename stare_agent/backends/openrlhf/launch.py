@@ -133,6 +133,11 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
         )
     problems = local_only_problems(config.model, config.run)
+    if config.model.dtype == "float16":
+        problems.append(
+            "model.dtype=float16: OpenRLHF 0.11.2's vLLM engines run in bfloat16 (vllm_engine.py) and refuse weights "
+            "of another dtype at the first weight sync; use bfloat16"
+        )
     correction = config.openrlhf.get("algo.advantage.is_correction_level", "off")
     if config.entropy_control.method in UPDATE_METHODS and correction != "off":
         problems.append(

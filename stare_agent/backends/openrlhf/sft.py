@@ -193,28 +193,19 @@ def _with_warmup(get_scheduler: Callable[..., Any], warmup_steps: int) -> Callab
     return get_scheduler_with_warmup
 
 
-def _stopping_on_skipped(optimizer_step: Callable[..., Any], actor_class: type) -> Callable[..., Any]:
-    original = getattr(optimizer_step, "__wrapped__", optimizer_step)  # installing twice wraps once
-
-    @functools.wraps(original)
-    def optimizer_step_checked(self: Any, optimizer: Any, model: Any, *args: Any, **kwargs: Any) -> None:
-        engine = model.model if isinstance(model, actor_class) else model  # as the original finds it
-        skipped, update = int(engine.skipped_steps), engine.global_steps + 1
-        original(self, optimizer, model, *args, **kwargs)
-        upstream.stop_if_skipped(engine, skipped, f"sft step {update}")
-
-    return optimizer_step_checked
-
-
 def install(options: EntryOptions) -> None:
     """Put our dataset (and the exact warm-up) in place of OpenRLHF's, for `openrlhf.cli.train_sft` to pick up, and
-    stop the run at an update DeepSpeed skips for non-finite gradients (upstream.stop_if_skipped)."""
+    stop the run at an update whose gradients are not finite (upstream.checking_updates)."""
     datasets = upstream.import_openrlhf("openrlhf.datasets")
     strategy_module = upstream.import_openrlhf("openrlhf.utils.deepspeed.deepspeed")
     datasets.SFTDataset = functools.partial(StareSFTDataset, truncation=options.truncation)
     strategy_module.get_scheduler = _with_warmup(strategy_module.get_scheduler, options.warmup_steps)
     strategy = strategy_module.DeepspeedStrategy
-    strategy.optimizer_step = _stopping_on_skipped(strategy.optimizer_step, strategy_module.Actor)
+    strategy.optimizer_step = upstream.checking_updates(strategy.optimizer_step, strategy_module.Actor, _sft_step)
+
+
+def _sft_step(engine: Any) -> str:
+    return f"sft step {engine.global_steps + 1}"  # as OpenRLHF numbers it: DeepSpeed's count of updates
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -15,8 +15,9 @@ it (the method, its settings, the step, the entropy bonus's alpha) reaches every
   same global token mean); for every other method it is OpenRLHF's PolicyLoss unchanged (the advantage methods
   already scaled the advantages). For every method it adds the update's ratio statistics to the micro-batch's
   `info`, which OpenRLHF averages over tokens and logs (`train/clip_frac_high`, ...).
-- **Non-finite gradients.** DeepSpeed skips an optimizer update whose gradients are NaN or infinite, silently;
-  the rank's training step then stops the run (upstream.stop_if_skipped: exit code 6), as the local backend does.
+- **Non-finite gradients.** An optimizer update whose gradients are NaN or infinite stops the run (exit code 6),
+  as in the local backend, where DeepSpeed would skip it silently or, under ZeRO-3 with bf16, apply it
+  (upstream.checking_updates, put in place of the strategy's optimizer_step).
 - **The entropy bonus.** OpenRLHF's training step subtracts `actor.entropy_coef` times the current policy's token
   mean entropy (the same normalisation as the policy loss). The rank sets that coefficient to this step's alpha
   (None when 0 or another method: no entropy pass); a user's own `actor.entropy_coef` is refused by the launcher.
@@ -38,6 +39,7 @@ from stare_agent.step import UpdatePart, class_masks, update_selection
 
 _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
 _loss_utils = upstream.import_openrlhf("openrlhf.utils.loss_utils")
+_strategy_module = upstream.import_openrlhf("openrlhf.utils.deepspeed.deepspeed")
 
 ORIGINAL_WINDOWS = _loss_utils.iter_grad_accum_global_norm
 """OpenRLHF's window grouping, which `selecting_windows` wraps."""
@@ -217,8 +219,8 @@ def _loss_module() -> Any:
 
 
 def prepare_fit(rank: Any) -> None:
-    """Before a rank's fit: the step's entropy coefficient in OpenRLHF's args, our loss and window grouping in
-    place (once per process), the update count reset, and the rank marked as the one training."""
+    """Before a rank's fit: the step's entropy coefficient in OpenRLHF's args, our loss, window grouping and update
+    check in place (once per process), the update count reset, and the rank marked as the one training."""
     state: UpdateControl | None = getattr(rank, "update_control", None)
     if state is None:
         raise RuntimeError(
@@ -235,15 +237,18 @@ def prepare_fit(rank: Any) -> None:
 
         def training_step(experience: Any, *args: Any, **kwargs: Any) -> Any:
             rank.update_control.current = experience
-            engine = trainer.actor.model  # the Actor's DeepSpeed engine
-            skipped = int(engine.skipped_steps)
-            metrics = step(experience, *args, **kwargs)
-            upstream.stop_if_skipped(engine, skipped, f"rl step {rank.update_control.control.step}")
-            return metrics
+            return step(experience, *args, **kwargs)
 
         trainer.training_step = training_step
     _actor_module.iter_grad_accum_global_norm = selecting_windows
+    strategy = _strategy_module.DeepspeedStrategy
+    strategy.optimizer_step = upstream.checking_updates(strategy.optimizer_step, _strategy_module.Actor, _rl_step)
     _active["rank"] = rank
+
+
+def _rl_step(engine: Any) -> str:
+    rank = _active.get("rank")
+    return f"rl step {rank.update_control.control.step}" if rank else f"optimizer update {engine.global_steps + 1}"
 
 
 def finish_fit() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -24,8 +25,8 @@ import sys
 import types
 import uuid
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 VERSION = "0.11.2"
 RL_CLI = "openrlhf.cli.train_ppo_ray"
@@ -101,20 +102,42 @@ def _importable() -> Iterator[None]:
             sys.modules.pop(name, None)
 
 
-def stop_if_skipped(engine: Any, skipped_before: int, where: str) -> None:
-    """Raise runtime.NonFiniteGradient if the DeepSpeed `engine` skipped an optimizer update since its
-    `skipped_steps` was `skipped_before`: it checks the gradients under bf16 and fp16 (the only dtypes OpenRLHF
-    trains in), on every rank alike, and skips an update whose gradients are NaN or infinite without a word, so a
-    run would go on with its updates skipped and its metrics looking healthy. `where` starts the message
-    ("rl step 12"). The RL ranks (updates.prepare_fit) and the SFT ranks (sft.install) both check here."""
+def checking_updates(optimizer_step: Callable[..., Any], actor_class: type, where: Callable[[Any], str]) -> Any:
+    """OpenRLHF's `DeepspeedStrategy.optimizer_step` (which RL and SFT ranks call after each micro-batch's backward),
+    stopping the run with runtime.NonFiniteGradient at an optimizer update whose gradients are NaN or infinite, as
+    the local backend does. Under bf16 DeepSpeed 0.19.6 does not stop: ZeRO-1/2 (and stage 0) skip such an update
+    without a word, so a run would go on with its updates skipped; ZeRO-3 checks only under fp16 and applies it, so
+    the weights become NaN while the logged gradient norm stays finite (each group's NaN norm is replaced by -1).
+    So, at an update: under ZeRO-3, DeepSpeed's own overflow check of the partitioned gradients runs first (all-
+    reduced over the data-parallel ranks, so every rank stops alike) and the update is not made; otherwise a skip is
+    caught after the step. Under fp16 nothing is checked: its loss scaler skips updates by design while it lowers
+    the scale, and stops the run itself at the minimum scale. `where(engine)`, taken before the step, starts the
+    message ("rl step 12")."""
     from stare_agent.runtime import NonFiniteGradient
 
-    if int(engine.skipped_steps) > skipped_before:
+    original = getattr(optimizer_step, "__wrapped__", optimizer_step)  # installing twice wraps once
+
+    def stop(label: str) -> NoReturn:
         raise NonFiniteGradient(
-            f"{where}: the gradients of an optimizer update were not finite (NaN or inf), so DeepSpeed skipped it; "
-            "nothing of that update was applied, so the weights and the latest checkpoint are those before it (a "
-            "lower optim.lr, or optim.max_grad_norm, may help)"
+            f"{label}: the gradients of an optimizer update were not finite (NaN or inf); it was not "
+            "applied, so the weights and the latest checkpoint are those before it (a lower optim.lr, or "
+            "optim.max_grad_norm, may help)"
         )
+
+    @functools.wraps(original)
+    def optimizer_step_checked(self: Any, optimizer: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = model.model if isinstance(model, actor_class) else model  # as the original finds it
+        check = engine.bfloat16_enabled() and engine.is_gradient_accumulation_boundary()
+        label = where(engine) if check else ""
+        if check and engine.zero_optimization_stage() == 3 and engine.optimizer.has_overflow():
+            stop(label)
+        skipped = int(engine.skipped_steps)
+        result = original(self, optimizer, model, *args, **kwargs)
+        if check and int(engine.skipped_steps) > skipped:
+            stop(label)
+        return result
+
+    return optimizer_step_checked
 
 
 def import_openrlhf(name: str) -> types.ModuleType:
