@@ -45,5 +45,5 @@ def set_threads(run: RunConfig) -> None:
 class NonFiniteGradient(RuntimeError):
     """An update's gradients were NaN or infinite, so the run stops (exit code 6). Nothing of that update was
     applied: the weights and the optimizer state are those before it, and the latest checkpoint is from before it.
-    The local backend checks the gradient norm before it steps (common.clip_and_step); in the openrlhf backend
-    DeepSpeed checks it (bf16 and fp16) and skips the update, and the rank then raises this (updates.py)."""
+    The local backend checks the gradient norm before it steps (common.clip_and_step); in the openrlhf backend each
+    rank checks every bf16 update around DeepSpeed's step (upstream.checking_updates)."""

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from stare_agent.lab.models import scripted_successors, write_scripted_model
 
-
-def chains_to_successors(chains: list[list[int]]) -> dict[int, int]:
-    """{id: the id after it} from id chains; chains must agree wherever they share an id."""
-    return scripted_successors(chains)
+chains_to_successors = scripted_successors
+"""{id: the id after it} from id chains; chains must agree wherever they share an id."""
 
 
 def write_forced_model(source, target, successors: dict[int, int], reserved: int = 32):

@@ -127,13 +127,14 @@ def checking_updates(optimizer_step: Callable[..., Any], actor_class: type, wher
     @functools.wraps(original)
     def optimizer_step_checked(self: Any, optimizer: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
         engine = model.model if isinstance(model, actor_class) else model  # as the original finds it
-        check = engine.bfloat16_enabled() and engine.is_gradient_accumulation_boundary()
-        label = where(engine) if check else ""
-        if check and engine.zero_optimization_stage() == 3 and engine.optimizer.has_overflow():
+        if not (engine.bfloat16_enabled() and engine.is_gradient_accumulation_boundary()):
+            return original(self, optimizer, model, *args, **kwargs)
+        label = where(engine)
+        if engine.zero_optimization_stage() == 3 and engine.optimizer.has_overflow():
             stop(label)
         skipped = int(engine.skipped_steps)
         result = original(self, optimizer, model, *args, **kwargs)
-        if check and int(engine.skipped_steps) > skipped:
+        if int(engine.skipped_steps) > skipped:
             stop(label)
         return result
 
