@@ -47,6 +47,17 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def forking_kernel(pid: int) -> dict[str, list[int]]:
+    """The processes of the forking kernels below `pid` (a kernel's first process, or a server): their relays (the
+    kernel processes proper), templates, and the templates' children (workers, spares). All run
+    `python -m stare_sandbox.template` (the template and its workers are forks of the kernel)."""
+    tree = [child for child in descendants(pid) if "stare_sandbox.template" in cmdline(child)]
+    parent = {child: stat[0] for child in tree if (stat := _stat(child)) is not None}
+    relays = [child for child in tree if parent.get(child) not in parent]
+    templates = [child for child in tree if parent.get(child) in relays]
+    return {"relay": relays, "template": templates, "children": [c for c in tree if parent.get(c) in templates]}
+
+
 def alive(processes: dict[int, int]) -> list[int]:
     """Those of `processes` (pid -> start time) still running; zombies are dead, only not reaped yet."""
     return [pid for pid, start in processes.items() if (s := _stat(pid)) is not None and s[1] != "Z" and s[2] == start]

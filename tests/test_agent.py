@@ -7,12 +7,18 @@ log-probs and tool results are then checked token for token.
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import random
+import signal
+import time
 
 import pytest
+from procs import _stat, forking_kernel  # tests/procs.py
 
 from stare_agent import protocol
 from stare_agent.agent import AgentConfig, Sample, run_batch, run_episode
+from stare_agent.batching import episode_stats, rollout_metrics
 from stare_agent.data import Problem
 from stare_sandbox.client import SandboxUnavailable
 from stare_sandbox.inprocess import InProcessClient
@@ -205,6 +211,47 @@ def test_kernel_death_is_retried_then_reported(tiny_tokenizer):
         with_client(lambda c: run_episode(PROBLEM, tokenizer=tiny_tokenizer, generate=script, client=c, config=config))
     )
     assert result.finish_reason == "sandbox_error" and result.reward is None and "KernelDied" in result.sandbox_error
+
+
+def kill_the_template_of_the_only_session(client: InProcessClient) -> None:
+    """SIGKILL the template of the kernel that serves the client's one session (as the OOM killer would), and wait
+    until the session's worker, which dies with it, is gone: its next call finds a dead template."""
+    (session,) = client.sessions._sessions.values()
+    found = forking_kernel(session.kernel.process.pid)
+    os.kill(found["template"][0], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any((stat := _stat(pid)) is not None and stat[1] != "Z" for pid in found["children"]):
+        assert time.monotonic() < deadline, "the session's worker outlived its template"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_call_that_finds_its_template_dead_is_a_sandbox_failure_never_an_empty_output(tiny_tokenizer, retries):
+    """The template of the episode's kernel dies between its two calls. The second call is a sandbox failure: the
+    episode is counted under rollout/finish_sandbox_error and not scored (no retries); or the retry replays the
+    session on a new kernel and the model sees the real output. Never an empty observation."""
+    script = Scripted(tiny_tokenizer, [CALL_1, CALL_2, ANSWER])
+    config = AgentConfig(sandbox_retries=retries, retry_backoff_s=0.01)
+
+    async def body(client):
+        async def generate(ids, max_new_tokens):
+            if len(script.samples) == 1:  # the first call has run
+                await asyncio.to_thread(kill_the_template_of_the_only_session, client)
+            return script.sample(ids, max_new_tokens)
+
+        return await run_episode(PROBLEM, tokenizer=tiny_tokenizer, generate=generate, client=client, config=config)
+
+    result = run(with_client(body))
+    stats = episode_stats(result)
+    if retries:
+        assert result.finish_reason == "answer" and result.reward == 1.0
+        assert [t.output for t in result.turns[:2]] == ["2", "3"] and stats["finish_sandbox_error"] == 0.0
+        return
+    assert result.finish_reason == "sandbox_error" and result.reward is None
+    assert [t.status for t in result.turns] == ["ok", "sandbox_error"] and result.turns[1].output is None
+    assert "KernelFailed" in result.sandbox_error or "KernelDied" in result.sandbox_error
+    assert stats["finish_sandbox_error"] == 1.0 and math.isnan(stats["reward"])
+    assert rollout_metrics([stats])["rollout/finish_sandbox_error"] == 1.0
 
 
 def test_cancellation_closes_the_session(tiny_tokenizer):

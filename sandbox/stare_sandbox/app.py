@@ -215,6 +215,11 @@ class Metrics:
             "Calls that got no kernel within queue_wait_s (HTTP 503 for a stateless call)",
             value=pool.waits_refused,
         )
+        yield CounterMetricFamily(
+            "sandbox_calls_rerun",
+            "Stateless calls run again on another kernel: theirs was found broken before the code started",
+            value=pool.calls_rerun,
+        )
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -373,6 +378,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             "max_starting": settings.pool.max_starting,
             "kernel_waiting": pool.waiting_count,
             "kernel_waits_refused": pool.waits_refused,
+            "calls_rerun": pool.calls_rerun,
             "open_files": {
                 "open": len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None,
                 "limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0],

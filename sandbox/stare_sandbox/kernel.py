@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import queue
 import re
@@ -24,7 +25,7 @@ from stare_sandbox.isolation import UID_BASE, UID_RANGE_SIZE, KernelMeter, Limit
 from stare_sandbox.sandboxfusion import FETCH_MIME, signal_status
 from stare_sandbox.schemas import ErrorInfo, RunResult
 from stare_sandbox.template import EXIT_ERROR as WORKER_EXIT_ERROR
-from stare_sandbox.template import WORKER_END_MIME, WORKER_KEY
+from stare_sandbox.template import RELAY_ERROR, TEMPLATE_GONE_EXIT, WORKER_DONE_MIME, WORKER_END_MIME, WORKER_KEY
 
 if TYPE_CHECKING:
     from jupyter_client import AsyncKernelManager
@@ -263,6 +264,8 @@ class Kernel:
             stdout, stderr = _Head(output_limit_bytes), _Head(output_limit_bytes)
         files: dict[str, str] = {}
         exit_status: int | None = None
+        never_ran = False  # the code certainly never started: a stateless call may run again on another kernel
+        confirmed = False  # the kernel relayed the worker's own report that this call's code finished
         # What the call's worker left in the scratch dir before the template emptied it: 0 unless reported, for a
         # worker that ends before the reply; None (walk the dir) for one that runs on (a session's)
         left_in_scratch: int | None = 0 if worker in ("call", "end") else None
@@ -313,14 +316,9 @@ class Kernel:
                     self.dead = True
                     exit_status = self.exit_status()
                     await asyncio.to_thread(caps.meter.kill)  # what the kernel started dies with it, also here
-                    status, error = caps.memory_exceeded() or (
-                        "sandbox_error",
-                        ErrorInfo(
-                            name="KernelDied",
-                            message="the kernel process exited while running this code (e.g. a crash or os._exit); "
-                            "all variables are lost and the next call runs on a fresh kernel",
-                        ),
-                    )
+                    status, error = caps.memory_exceeded() or ("sandbox_error", _kernel_died(exit_status))
+                    # it exits so only while no worker call runs (template._TemplateWatch): this one never began
+                    never_ran = status == "sandbox_error" and exit_status == TEMPLATE_GONE_EXIT
                     break
                 continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
@@ -335,6 +333,10 @@ class Kernel:
                 left_in_scratch = int(ending.get("scratch_bytes") or 0)
                 if ending.get("unclean"):
                     self.unclean = str(ending["unclean"])
+                if ending.get("gone"):  # the call's result stands, but the kernel cannot serve again
+                    self.dead = True
+            elif kind == "display_data" and worker is not None and WORKER_DONE_MIME in content.get("data", {}):
+                confirmed = confirmed or content["data"][WORKER_DONE_MIME].get("call") == msg_id
             elif kind in ("execute_result", "display_data"):
                 text = content.get("data", {}).get("text/plain")
                 if text is not None and kind == "execute_result":
@@ -344,8 +346,12 @@ class Kernel:
                 traceback = ANSI.sub("", "\n".join(content.get("traceback", [])))
                 error = ErrorInfo(name=name, message=content.get("evalue", ""), traceback=traceback)
                 if worker is not None and name == WORKER_EXIT_ERROR:
-                    status, error = "sandbox_error", _worker_died(content.get("evalue", ""))
-                    exit_status = _int_or_none(content.get("evalue", ""))
+                    exit_status, ran = _worker_exit(content.get("evalue", ""))
+                    status, error, never_ran = "sandbox_error", _worker_died(exit_status), not ran
+                elif worker is not None and name == RELAY_ERROR:
+                    self.dead = True
+                    status, error, ran = "sandbox_error", *_relay_failed(content.get("evalue", ""))
+                    never_ran = not ran
                 elif interrupted_at is not None and name == "KeyboardInterrupt":
                     status = "timeout"
                     error = ErrorInfo(
@@ -359,6 +365,10 @@ class Kernel:
                     status = "error"
             elif kind == "status" and content.get("execution_state") == "idle":
                 break
+        if worker is not None and not confirmed and not self.dead and status != "sandbox_error":
+            # An answer without the worker's report of this call: its output may be lost, so never an ok
+            self.dead = True
+            status, error = "sandbox_error", _unconfirmed(worker)
         if not self.dead and (over := await caps.exceeded(during=False, scratch_left=left_in_scratch)):
             status, error = over
         await self._drain_shell()
@@ -371,6 +381,7 @@ class Kernel:
             duration_ms=(time.perf_counter() - started) * 1000,
         )
         result._files, result._exit_status = files, exit_status if status == "sandbox_error" else None
+        result._never_ran = never_ran and status == "sandbox_error"
         return result
 
     def _send_execute(self, code: str, worker: str | None) -> str:
@@ -443,7 +454,48 @@ class Kernel:
         remove_scratch(self.scratch)
 
 
-def _worker_died(status: str) -> ErrorInfo:
+def _kernel_died(exit_status: int | None) -> ErrorInfo:
+    if exit_status == TEMPLATE_GONE_EXIT:
+        what = "the kernel's template process died (killed, e.g. by the OOM killer or by code run earlier) and the "
+        what += "kernel exited with it"
+    else:
+        what = "the kernel process exited while running this code (e.g. a crash or os._exit)"
+    message = f"{what}; all variables are lost and the next call runs on a fresh kernel"
+    return ErrorInfo(name="KernelDied", message=message)
+
+
+def _relay_failed(evalue: str) -> tuple[ErrorInfo, bool]:
+    """The error of a call the kernel could not run as designed (template.RELAY_ERROR), and whether its code may
+    have started."""
+    try:
+        report = json.loads(evalue)
+        why, ran = str(report["why"]), bool(report["ran"])
+    except (ValueError, KeyError, TypeError):
+        why, ran = evalue, True
+    started = "its code may have run in part" if ran else "its code never ran"
+    message = f"{why}; {started}, and the kernel is replaced, so all variables are lost"
+    return ErrorInfo(name="KernelFailed", message=message), ran
+
+
+def _unconfirmed(worker: str) -> ErrorInfo:
+    return ErrorInfo(
+        name="KernelFailed",
+        message=f"the kernel answered this call ({worker}) without its worker's report that the code finished, so its "
+        "output may be incomplete; the kernel is replaced, so all variables are lost",
+    )
+
+
+def _worker_exit(evalue: str) -> tuple[int | None, bool]:
+    """The exit status of a worker that ended without finishing its cell (template.EXIT_ERROR), and whether it had
+    begun the cell."""
+    try:
+        report = json.loads(evalue)
+        return _int_or_none(str(report["status"])), bool(report["ran"])
+    except (ValueError, KeyError, TypeError):
+        return None, True
+
+
+def _worker_died(status: int | None) -> ErrorInfo:
     return ErrorInfo(
         name="KernelDied",
         message=f"the process running this code exited (status {status}) before the code finished, e.g. a crash or "

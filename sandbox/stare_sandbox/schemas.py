@@ -52,6 +52,9 @@ class RunResult(BaseModel):
     """Files a /run_code driver fetched ({path: base64}, kernel.Kernel.execute); not part of this response."""
     _exit_status: int | None = PrivateAttr(default=None)
     """For sandbox_error: the exit status of a kernel process that ended under the code (-N for signal N)."""
+    _never_ran: bool = PrivateAttr(default=False)
+    """For sandbox_error: the code certainly never started (no worker began it), so a stateless call may run it again
+    (sessions.run_stateless)."""
 
 
 class SessionCreated(BaseModel):

@@ -10,6 +10,7 @@ nothing about HTTP: the service (app.py) and the in-process client (inprocess.py
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from stare_sandbox.kernel import Kernel, SandboxError
 from stare_sandbox.pool import KernelPool, PoolSettings
 from stare_sandbox.schemas import RunResult
+
+log = logging.getLogger("sandbox")
 
 
 @dataclass
@@ -116,6 +119,21 @@ def call_timeout(settings: PoolSettings, requested: float | None) -> tuple[float
 
 async def run_stateless(
     pool: KernelPool, code: str, timeout_s: float, wait_s: float | None = None, output_limit_bytes: int | None = None
+) -> RunResult:
+    """Run `code` on a pooled kernel. A call that failed before any of its code started (its kernel's template had
+    died, or the worker handed the call died before it began: the result says so) runs once more, on another kernel
+    where its own was retired; never a call whose code may have started, which could repeat what it did (e.g. kill
+    a second kernel's template)."""
+    result = await _run_once(pool, code, timeout_s, wait_s, output_limit_bytes)
+    if result._never_ran:
+        log.warning("a stateless call failed before its code started (%s); it runs once more", result.error)
+        pool.calls_rerun += 1
+        result = await _run_once(pool, code, timeout_s, wait_s, output_limit_bytes)
+    return result
+
+
+async def _run_once(
+    pool: KernelPool, code: str, timeout_s: float, wait_s: float | None, output_limit_bytes: int | None
 ) -> RunResult:
     kernel = await pool.acquire(wait_s, stateless=True)
     kernel.runs += 1

@@ -26,6 +26,14 @@ are pipes the kernel reads and republishes as stream output (also what its child
 error, if any, and the display messages that must reach the client (fetched files). It runs the cell with IPython's
 `run_cell` (magics, the last expression's value printed), as the kernel would. The template and every worker get
 the parent-death signal: a kernel that dies takes its template and workers with it.
+
+The other way round, no call may pass for done without the worker that ran it: a worker reports `started` before
+any of a cell's code and `done` after it, both carrying the call's id (the execute request's msg_id), and the kernel
+confirms a call to the pool (WORKER_DONE_MIME) only on that `done`. A template found gone (the kernel also watches it
+through a pipe only the template writes to, _TemplateWatch), a refusal, or a report out of turn is a RELAY_ERROR,
+which says whether the code had started; the pool then retires the kernel. A template that dies while no call runs
+ends the kernel (TEMPLATE_GONE_EXIT), so the pool replaces it before handing it out. What happens when each of these
+processes dies: docs/sandbox.md, "When a kernel's process dies".
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 from stare_sandbox.isolation import empty_scratch
@@ -54,12 +63,27 @@ WORKER_MODES = ("call", "session", "end")
 WORKER_END_MIME = "application/x-stare-worker-end"
 """The MIME type of the display by which the kernel tells the pool what the template found when a worker ended, if
 anything: {"scratch_bytes": what the worker left in the scratch dir (for the scratch quota, checked after the call),
-"unclean": why the scratch dir could not be emptied, or None (the pool then retires the kernel)}."""
+"unclean": why the scratch dir could not be emptied, or None (the pool then retires the kernel), "gone": why the
+template is gone, or None (the call's result stands, but the pool retires the kernel)}."""
+WORKER_DONE_MIME = "application/x-stare-worker-done"
+"""The MIME type of the display by which the kernel confirms a worker call: {"call": the execute request's msg_id}.
+The kernel publishes it only after the worker's own report of that call (which carries the same id), or for `end`
+once the session's worker is ended; a worker call answered without it is a sandbox_error, never an `ok` with lost
+output (kernel.py)."""
 EXIT_ERROR = "_SandboxWorkerExited"
-"""The error the kernel reports when the worker running a cell ended without finishing it; its message is the
-worker's exit status as subprocess gives it (-N for signal N)."""
+"""The error the kernel reports when the worker running a cell ended without finishing it. Its message is JSON:
+{"status": the worker's exit status as subprocess gives it (-N for signal N), "ran": whether the worker had begun
+the cell (False: it died before, e.g. a spare killed as it was handed out)}."""
+RELAY_ERROR = "_SandboxRelayFailed"
+"""The error the kernel reports when it cannot run the call as designed: its template is gone (killed, or dead
+with what it needed), refused to fork, or a worker broke the protocol. Its message is JSON: {"ran": whether the code
+may have started (False: no worker began it), "why": what happened}. The pool retires the kernel."""
+TEMPLATE_GONE_EXIT = 75
+"""The kernel's exit status when its template died while no call was running: the pool then finds the kernel gone
+and replaces it before any call lands on it (KernelPool._take_ready)."""
 _FRAME = 8  # bytes of the length before each message on a worker socket
 _END_WAIT_S = 10.0  # for the template to report a worker's end (its leftovers killed, the scratch dir emptied)
+_GONE_GRACE_S = 1.0  # after a call, before an idle kernel whose template died exits: its reply is on its way out
 _EARLY_CODE_CHARS = 32_768  # a cell up to this size is sent before its worker is known (it fits the socket buffer)
 _PR_SET_PDEATHSIG = 1
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable (a copy-on-write page is copied), contents kept
@@ -91,16 +115,22 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     kernel_end, template_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # Only the template holds the write end (its workers close their copies first thing): the kernel's read end
+    # reaches end-of-file the moment the template is gone, however it died (_TemplateWatch).
+    alive_r, alive_w = os.pipe()
     kernel_pid = os.getpid()
     if os.fork() == 0:
         kernel_end.close()
+        os.close(alive_r)
         _die_with_parent(kernel_pid)
-        Template(template_end, namespace).serve()
+        Template(template_end, namespace, alive_w).serve()
         os._exit(0)
     template_end.close()
+    os.close(alive_w)
     from ipykernel.kernelapp import IPKernelApp
 
-    IPKernelApp.launch_instance(argv=argv[2:], kernel_class=relay_kernel_class(_TemplateLink(kernel_end)))
+    link = _TemplateLink(kernel_end, _TemplateWatch(alive_r))
+    IPKernelApp.launch_instance(argv=argv[2:], kernel_class=relay_kernel_class(link))
 
 
 def _ending(status: int | None = None, scratch_bytes: int = 0, unclean: str | None = None) -> dict:
@@ -202,10 +232,11 @@ def copy_ahead(runs: list[tuple[int, int]], interrupt: socket.socket | None = No
 class Template:
     """The clean interpreter workers are forked from; serves the kernel's requests until the kernel goes."""
 
-    def __init__(self, sock: socket.socket, namespace: dict[str, Any]):
+    def __init__(self, sock: socket.socket, namespace: dict[str, Any], alive: int = -1):
         from IPython.core.interactiveshell import InteractiveShell
 
         self.sock = sock
+        self.alive = alive  # the write end of the kernel's watch on this process (main): workers close it
         self.scratch = os.environ["HOME"]  # the kernel's scratch dir (isolation.kernel_env), every worker's cwd
         self.kernel = os.getppid()
         # the kernel's parent is PID 1 only inside the kernel's own PID namespace (launch.py's init)
@@ -251,7 +282,8 @@ class Template:
         try:
             socket.send_fds(handoff, [json.dumps({"mode": "probe"}).encode()], [null, null, theirs.fileno()])
             _send(mine, {"code": WARM_CELL})
-            _receive(mine)
+            _receive(mine)  # started
+            _receive(mine)  # done
             report = _receive(mine)
             return [(start, length) for start, length in report["warm"]] if report else []
         except OSError:
@@ -293,10 +325,16 @@ class Template:
                 return
             if pid == 0:
                 return
-            if pid in self.finished:  # cleaned up after when it was stopped (_finish)
+            if pid in self.finished:  # cleaned up after when it was stopped (_finish), or a spare discarded
                 self.finished.discard(pid)
                 continue
             self.workers.discard(pid)
+            if self.spare is not None and pid == self.spare[0]:
+                # The spare never ran a cell: nothing to clean up or report. Something killed it (the worker of the
+                # call or session running now may): the next request forks another (_spawn).
+                self.spare[1].close()
+                self.spare = None
+                continue
             self._cleaned_up(pid, os.waitstatus_to_exitcode(status))
 
     def _finish(self, pid: int) -> None:
@@ -351,24 +389,41 @@ class Template:
 
     def _spawn(self, request: dict, fds: list[int]) -> None:
         """Hand the kernel's descriptors to the spare worker, forked ahead (when the template had cleaned up after
-        the worker before it, while the kernel answered that call), so the fork is off the call's path."""
-        if self.spare is None:  # none forked since the last handoff (a session's worker), or its fork failed
-            self._fork_spare(inherited=fds)
-        if len(fds) != 3 or self.spare is None:
-            for fd in fds:
-                os.close(fd)
-            why = self.refusal or f"{len(fds)} file descriptors came"
-            self.sock.send(json.dumps({"refused": why}).encode())
-            return
-        pid, handoff = self.spare
-        self.spare = None
+        the worker before it, while the kernel answered that call), so the fork is off the call's path. A spare
+        that died unreaped (its handoff fails) is discarded and a new one forked, once."""
         try:
-            socket.send_fds(handoff, [json.dumps({"mode": request.get("mode")}).encode()], fds)
+            for _ in range(2):
+                if len(fds) != 3:
+                    self.refusal = f"{len(fds)} file descriptors came"
+                    break
+                if self.spare is None:  # none forked since the last handoff (a session's worker), or it died
+                    self._fork_spare(inherited=fds)
+                if self.spare is None:  # the fork was refused (self.refusal says why)
+                    break
+                pid, handoff = self.spare
+                self.spare = None
+                try:
+                    socket.send_fds(handoff, [json.dumps({"mode": request.get("mode")}).encode()], fds)
+                except OSError:
+                    self._discard(pid)
+                    continue
+                finally:
+                    handoff.close()
+                self.sock.send(json.dumps({"spawned": pid}).encode())
+                return
+            self.sock.send(json.dumps({"refused": self.refusal or "no live worker could be handed out"}).encode())
         finally:
-            handoff.close()
             for fd in fds:
                 os.close(fd)
-        self.sock.send(json.dumps({"spawned": pid}).encode())
+
+    def _discard(self, pid: int) -> None:
+        """Kill a worker that never ran a cell; reaped later, with nothing to clean up or report (_reap)."""
+        self.workers.discard(pid)
+        self.finished.add(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _fork_spare(self, inherited: tuple[int, ...] | list[int] = ()) -> None:
         """A worker that waits for its descriptors; none while the template has more than one thread. `inherited`:
@@ -406,8 +461,9 @@ class _Worker:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         template.sock.close()
-        os.close(template.wake_r)
-        os.close(template.wake_w)
+        for fd in (template.wake_r, template.wake_w, template.alive):
+            if fd >= 0:
+                os.close(fd)
         if template.spare is not None:  # the previous spare's socket, inherited
             template.spare[1].close()
         copy_ahead(template.warm, interrupt=handoff)
@@ -456,13 +512,15 @@ class _Worker:
             if request is None:
                 return
             self.error, self.displays = None, []
+            _send(self.conn, {"started": request.get("call")})  # before any of its code: the kernel knows it ran
             self.shell.run_cell(request["code"], store_history=False, silent=False)
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()
                 except Exception:  # noqa: S110 - the code closed or replaced it: nothing left to flush
                     pass
-            _send(self.conn, {"done": True, "error": self.error, "displays": self.displays})
+            report = {"done": True, "call": request.get("call"), "error": self.error, "displays": self.displays}
+            _send(self.conn, report)
             if self.probe is not None:
                 _send(self.conn, {"warm": own_pages("/proc/self/pagemap", self.probe)})
                 return
@@ -507,28 +565,90 @@ def _exactly(conn: socket.socket, size: int) -> bytes | None:
     return b"".join(chunks)
 
 
-class _TemplateLink:
-    """The kernel's end of the template's socket: asks for workers and keeps the reports of their ends."""
+class _RelayFailed(Exception):
+    """The kernel could not run a worker call as designed: its template is gone or refused to fork, or a worker broke
+    the protocol. `ran`: whether the call's code may have started; None leaves it to the relay (_Relay.started)."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, why: str, ran: bool | None = None):
+        super().__init__(why)
+        self.why, self.ran = why, ran
+
+
+class _TemplateWatch:
+    """The kernel's watch on its template: the read end of a pipe whose write end only the template holds (main), so
+    it reaches end-of-file the moment the template is gone, however it died (a worker's kill, the OOM killer).
+
+    A template that dies while a worker call runs is reported by that call (do_execute), and the pool retires the
+    kernel. One that dies while the kernel is idle ends the kernel (TEMPLATE_GONE_EXIT), after a grace for the
+    reply of a call that has just ended, unless a call has reported it meanwhile: the pool then finds the kernel
+    gone before it hands it out (KernelPool._take_ready)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.lock = threading.Lock()
+        self.busy = False  # a worker call is being answered
+        self.told = False  # an answer has told the pool the template is gone: the pool retires the kernel
+        self.last_end = 0.0  # time.monotonic() when the last call was answered
+        threading.Thread(target=self._watch, name="stare-template-watch", daemon=True).start()
+
+    def gone(self) -> bool:
+        """Whether the template is gone, now: nothing is ever written to the pipe, so readable means end-of-file."""
+        return bool(select.select([self.fd], [], [], 0)[0])
+
+    def begin(self) -> bool:
+        """A worker call starts; whether the template is gone already."""
+        with self.lock:
+            self.busy = True
+        return self.gone()
+
+    def end(self, told: bool) -> None:
+        """The call's answer is made; `told`: it tells the pool that the template is gone."""
+        with self.lock:
+            self.busy, self.told = False, self.told or told
+            self.last_end = time.monotonic()
+
+    def _watch(self) -> None:
+        select.select([self.fd], [], [])
+        while True:
+            with self.lock:
+                if self.told:
+                    return
+                wait = 0.05 if self.busy else self.last_end + _GONE_GRACE_S - time.monotonic()
+                if wait <= 0:
+                    os._exit(TEMPLATE_GONE_EXIT)
+            time.sleep(wait)
+
+
+class _TemplateLink:
+    """The kernel's end of the template's socket: asks for workers and keeps the reports of their ends. Raises
+    _RelayFailed when the template is gone (the socket closed) or refuses."""
+
+    def __init__(self, sock: socket.socket, watch: _TemplateWatch):
         self.sock = sock
+        self.watch = watch
         self.exits: dict[int, dict] = {}
 
     def request(self, mode: str, fds: list[int]) -> None:
         """Ask for a worker with these descriptors; `spawned` says which process it is."""
-        socket.send_fds(self.sock, [json.dumps({"mode": mode}).encode()], fds)
+        try:
+            socket.send_fds(self.sock, [json.dumps({"mode": mode}).encode()], fds)
+        except OSError as exc:
+            raise _RelayFailed(f"the template process is gone (asking it for a worker: {exc})", ran=False) from exc
 
     def spawned(self) -> int:
         while True:
             reply = self._next(None)
             if "spawned" in reply:
                 return reply["spawned"]
-            if "refused" in reply:
-                raise RuntimeError(f"the template refused to fork a worker: {reply['refused']}")
+            if "refused" in reply:  # the template closed its copy of the call's socket: no worker has the code
+                raise _RelayFailed(f"the template refused to fork a worker: {reply['refused']}", ran=False)
 
     def finish(self, pid: int) -> None:
         """Ask the template to end the worker and clean up after it (Template._finish); `ended` says when it did."""
-        self.sock.send(json.dumps({"finish": pid}).encode())
+        try:
+            self.sock.send(json.dumps({"finish": pid}).encode())
+        except OSError as exc:
+            raise _RelayFailed(f"the template process is gone (asking it to end worker {pid}: {exc})") from exc
 
     def ended(self, pid: int, wait_s: float) -> dict:
         """How the worker ended (_ending), once its processes are gone and the scratch dir emptied. Waits up to
@@ -542,9 +662,12 @@ class _TemplateLink:
         readable, _, _ = select.select([self.sock], [], [], wait_s)
         if not readable:
             return None
-        data = self.sock.recv(4096)
+        try:
+            data = self.sock.recv(4096)
+        except OSError as exc:
+            raise _RelayFailed(f"the template process is gone ({exc})") from exc
         if not data:
-            raise RuntimeError("the template process is gone")
+            raise _RelayFailed("the template process is gone (its socket closed)")
         reply = json.loads(data)
         if "exited" in reply:
             self.exits[reply["exited"]] = reply
@@ -562,22 +685,36 @@ class _Relay:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             link.request(mode, [out_w, err_w, theirs.fileno()])
+        except BaseException:
+            mine.close()
+            os.close(out_r)
+            os.close(err_r)
+            raise
         finally:
             for fd in (out_w, err_w):
                 os.close(fd)
             theirs.close()
         self.link, self.conn, self.pid = link, mine, 0
+        self.started = False  # the worker said it began the current call's code (before running any of it)
         self.ending: dict | None = None  # how the worker ended, once the template cleaned up after it
         self.died = False  # it ended on its own
         self.streams = {out_r: (sys.stdout, _decoder()), err_r: (sys.stderr, _decoder())}
         for fd in self.streams:
             os.set_blocking(fd, False)
 
-    def run(self, code: str) -> dict:
-        """Send the cell and relay its output until it is done; the worker's report, or an EXIT_ERROR one."""
+    def run(self, code: str, call: str) -> dict:
+        """Send the cell and relay its output until it is done: the worker's report of this call (it carries
+        `call`), or an EXIT_ERROR one when the worker ended first. _RelayFailed when the template is gone or the
+        worker answers out of turn."""
         if not self.pid and len(code) > _EARLY_CODE_CHARS:  # could fill the socket before any worker reads it
             self.pid = self.link.spawned()
-        _send(self.conn, {"code": code})  # a first small cell waits in the socket while its worker is handed out
+        self.started = False
+        try:  # a first small cell waits in the socket while its worker is handed out
+            _send(self.conn, {"code": code, "call": call})
+        except OSError as exc:  # no process holds the other end, so none has read this code
+            if self.pid:  # the session's worker ended since its last call: the template says how
+                return self._ended()
+            raise _RelayFailed(f"no worker took the call's socket ({exc})", ran=False) from exc
         self.pid = self.pid or self.link.spawned()
         # The pool's interrupt reaches the worker itself (one process group): here it must not end the relay.
         main = threading.current_thread() is threading.main_thread()
@@ -587,10 +724,20 @@ class _Relay:
                 readable, _, _ = select.select([*self.streams, self.conn], [], [])
                 self._pump([fd for fd in readable if fd in self.streams])
                 if self.conn in readable:
-                    report = _receive(self.conn)
+                    try:
+                        report = _receive(self.conn)
+                    except OSError:  # reset: as good as closed
+                        report = None
+                    except ValueError as exc:
+                        raise _RelayFailed(f"worker {self.pid} sent a report that is not JSON ({exc})") from exc
                     self._pump(list(self.streams))
                     if report is None:
                         return self._ended()
+                    if not self.started and isinstance(report, dict) and report.get("started") == call:
+                        self.started = True
+                        continue
+                    if not isinstance(report, dict) or report.get("call") != call or "error" not in report:
+                        raise _RelayFailed(f"worker {self.pid} sent a report that is not this call's")
                     return report
         finally:
             if main:
@@ -610,22 +757,26 @@ class _Relay:
         # No flush here: ipykernel flushes both streams before its reply, and before an error we publish (below)
 
     def _ended(self) -> dict:
-        """The report of a worker that ended without finishing its cell."""
+        """The report of a worker that ended without finishing its cell (the template's report of its end says
+        how; _RelayFailed when the template is gone too)."""
         self.died = True
-        return {"error": {"ename": EXIT_ERROR, "evalue": str(self.end()["status"]), "traceback": []}, "displays": []}
+        evalue = json.dumps({"status": self.end()["status"], "ran": self.started})
+        return {"error": {"ename": EXIT_ERROR, "evalue": evalue, "traceback": []}, "displays": []}
 
     def end(self) -> dict:
         """End the worker and wait until the template has cleaned up after it (ended); free this side's descriptors.
         The template stops the worker first: closing the socket first would let it exit and tear down its memory
-        while the call waits."""
-        if self.ending is None:
-            if not self.pid:
-                self.ending = _ending()
-            else:
-                if not self.died:
-                    self.link.finish(self.pid)
-                self.ending = self.link.ended(self.pid, _END_WAIT_S)
-        self.close()
+        while the call waits. _RelayFailed when the template is gone (the worker is then killed here)."""
+        try:
+            if self.ending is None:
+                if not self.pid:
+                    self.ending = _ending()
+                else:
+                    if not self.died:
+                        self.link.finish(self.pid)
+                    self.ending = self.link.ended(self.pid, _END_WAIT_S)
+        finally:
+            self.close()
         return self.ending
 
     def close(self) -> None:
@@ -646,6 +797,12 @@ def _decoder() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")("replace")
 
 
+def _failure(why: str, ran: bool) -> dict:
+    """The report of a call the kernel could not run as designed (RELAY_ERROR)."""
+    evalue = json.dumps({"ran": ran, "why": why})
+    return {"error": {"ename": RELAY_ERROR, "evalue": evalue, "traceback": []}, "displays": []}
+
+
 def relay_kernel_class(link: _TemplateLink) -> type:
     """ipykernel's kernel, relaying the cells that ask for a worker (WORKER_KEY in their metadata) to one.
 
@@ -660,29 +817,68 @@ def relay_kernel_class(link: _TemplateLink) -> type:
             mode = (kw.get("cell_meta") or {}).get(WORKER_KEY)
             if mode not in WORKER_MODES:
                 return await super().do_execute(code, silent, store_history, user_expressions, allow_stdin, **kw)
-            if mode == "end":
+            call = self.get_parent().get("header", {}).get("msg_id", "")
+            watch = self.template.watch
+            # what the workers ended during this call left in the scratch dir, and whether that found the template gone
+            self._left: dict = {"scratch_bytes": 0, "unclean": None, "gone": None}
+            gone = None
+            try:
+                try:
+                    if watch.begin():
+                        raise _RelayFailed("the template process had exited before this call came", ran=False)
+                    report = self._run(mode, code, call)
+                    gone = self._left["gone"] or ("the template process exited" if watch.gone() else None)
+                    if gone is not None and mode == "session":  # the session's worker dies with its template
+                        raise _RelayFailed(f"{gone}, and the session's worker with it", ran=True)
+                except _RelayFailed as exc:
+                    report, gone = _failure(exc.why, bool(exc.ran)), exc.why
+                except Exception as exc:  # noqa: BLE001 - a fault of the relay's own: never an answer without a report
+                    gone = f"the kernel's relay failed: {type(exc).__name__}: {exc}"
+                    report = _failure(gone, True)
+                return self._answer(call, report, gone)
+            finally:
+                watch.end(told=gone is not None)
+
+        def _run(self, mode: str, code: str, call: str) -> dict:
+            """Run the call in its worker (a new one, or the session's), or end the session's: the report."""
+            if mode != "session":  # end; or a call: one worker at a time (the scratch dir is emptied after each)
                 self._end_session()
-                return self._reply(None)
-            if mode == "call":
-                self._end_session()  # one worker at a time: the template empties the scratch dir after each
+            if mode == "end":
+                return {"error": None, "displays": []}
             relay = self._session if mode == "session" else None
             if relay is None:
                 relay = _Relay(self.template, mode)
                 if mode == "session":
                     self._session = relay
             try:
-                report = relay.run(code)
-            finally:
-                if mode == "call":
-                    self._check_end(relay)
-            error = report["error"]
-            if mode == "session" and error is not None and error["ename"] == EXIT_ERROR:
+                report = relay.run(code, call)
+            except _RelayFailed as exc:
+                exc.ran = relay.started if exc.ran is None else exc.ran
+                if relay is self._session:
+                    self._session = None
+                relay.close()
+                raise
+            if mode == "call":
+                self._check_end(relay)
+            elif report["error"] is not None and report["error"]["ename"] == EXIT_ERROR:
                 self._session = None  # it died: the next call starts a new one
                 self._check_end(relay)
+            return report
+
+        def _answer(self, call: str, report: dict, gone: str | None) -> dict:
+            """Publish the worker's displays, what ending workers left (and whether the kernel must retire), the
+            confirmation of a call its worker reported (WORKER_DONE_MIME), and its error; the reply."""
             for display in report["displays"]:
-                if WORKER_END_MIME not in display["data"]:  # only the kernel says that
+                if not {WORKER_END_MIME, WORKER_DONE_MIME} & set(display["data"]):  # only the kernel says those
                     content = {"data": display["data"], "metadata": display["metadata"], "transient": {}}
                     self._publish("display_data", content)
+            left = {**self._left, "gone": gone}
+            if left["scratch_bytes"] or left["unclean"] or gone:
+                self._publish("display_data", {"data": {WORKER_END_MIME: left}, "metadata": {}, "transient": {}})
+            error = report["error"]
+            if error is None or error["ename"] not in (EXIT_ERROR, RELAY_ERROR):
+                confirmed = {"data": {WORKER_DONE_MIME: {"call": call}}, "metadata": {}, "transient": {}}
+                self._publish("display_data", confirmed)
             if error is not None:
                 sys.stdout.flush()  # the output before the error, as ipykernel's own error does
                 sys.stderr.flush()
@@ -698,11 +894,15 @@ def relay_kernel_class(link: _TemplateLink) -> type:
                 self._check_end(relay)
 
         def _check_end(self, relay: _Relay) -> None:
-            """End the worker; tell the pool what it left in the scratch dir and whether that could be removed."""
-            ending = relay.end()
-            if ending["scratch_bytes"] or ending["unclean"]:
-                info = {"scratch_bytes": ending["scratch_bytes"], "unclean": ending["unclean"]}
-                self._publish("display_data", {"data": {WORKER_END_MIME: info}, "metadata": {}, "transient": {}})
+            """End the worker; keep what it left in the scratch dir and whether that could be removed, for the pool
+            (_answer), and that the template is gone, if ending it found that."""
+            try:
+                ending = relay.end()
+            except _RelayFailed as exc:
+                self._left["gone"] = exc.why
+                return
+            self._left["scratch_bytes"] += ending["scratch_bytes"]
+            self._left["unclean"] = ending["unclean"] or self._left["unclean"]
 
         def _reply(self, error: dict | None) -> dict:
             reply = {"status": "ok" if error is None else "error", "execution_count": self.execution_count}
