@@ -48,10 +48,10 @@ def cmdline(pid: int) -> str:
 
 
 def forking_kernel(pid: int) -> dict[str, list[int]]:
-    """The processes of the forking kernels below `pid` (a kernel's first process, or a server): their relays (the
-    kernel processes proper), templates, and the templates' children (workers, spares). All run
+    """The processes of the forking kernels at or below `pid` (a kernel's first process, or a server): their relays
+    (the kernel processes proper), templates, and the templates' children (workers, spares). All run
     `python -m stare_sandbox.template` (the template and its workers are forks of the kernel)."""
-    tree = [child for child in descendants(pid) if "stare_sandbox.template" in cmdline(child)]
+    tree = [child for child in [pid, *descendants(pid)] if "stare_sandbox.template" in cmdline(child)]
     parent = {child: stat[0] for child in tree if (stat := _stat(child)) is not None}
     relays = [child for child in tree if parent.get(child) not in parent]
     templates = [child for child in tree if parent.get(child) in relays]

@@ -446,3 +446,17 @@ def test_32_sessions_of_20_calls_with_deaths_mixed_in_get_no_silent_wrong_result
     assert tally.hostile == LOAD_SESSIONS // 4 and tally.calls > LOAD_SESSIONS * LOAD_CALLS
     assert tally.errors <= tally.outside_kills + tally.hostile_finished, tally
     assert health["kernels_retired_by_cause"]["died"] >= tally.hostile - tally.hostile_finished
+
+
+def test_the_same_under_process_isolation(one_kernel):
+    """Without namespaces (no PID namespace, no init: the kernel is the pool's child itself): a session call that
+    kills its template, then a template killed from outside while the kernel waits; the others are exact."""
+    settings = dataclasses.replace(one_kernel, isolation="process", cgroups=False)
+    steps = [("session", "a", kill_parent("SIGKILL", finish=False)), ("session", "a", "print('again')")]
+    steps += [("close", "a"), ("stateless", "print(1)"), ("kill", "template", "SIGKILL", 0), *AFTER_STATELESS]
+    steps += [*AFTER_SESSION, ("close", "b")]
+    results, pool = run(settings, steps)
+    assert results[0].status == "sandbox_error" and results[0].error.name == "KernelFailed", results[0]
+    assert exact(results[1], "again\n") and exact(results[3], "1\n")
+    check_the_others(results, steps)
+    assert pool.retired_by_cause["died"] == 2
