@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 from stare_sandbox.cgroups import Cgroups, range_group
 from stare_sandbox.isolation import UID_BASE, UID_RANGE_SIZE, KernelMeter, Limits, remove_scratch
+from stare_sandbox.relay import EXIT_ERROR as WORKER_EXIT_ERROR
+from stare_sandbox.relay import RELAY_ERROR, TEMPLATE_GONE_EXIT, WORKER_DONE_MIME, WORKER_END_MIME, WORKER_KEY
 from stare_sandbox.sandboxfusion import FETCH_MIME, signal_status
 from stare_sandbox.schemas import ErrorInfo, RunResult
-from stare_sandbox.template import EXIT_ERROR as WORKER_EXIT_ERROR
-from stare_sandbox.template import RELAY_ERROR, TEMPLATE_GONE_EXIT, WORKER_DONE_MIME, WORKER_END_MIME, WORKER_KEY
 
 if TYPE_CHECKING:
     from jupyter_client import AsyncKernelManager
@@ -317,7 +317,7 @@ class Kernel:
                     exit_status = self.exit_status()
                     await asyncio.to_thread(caps.meter.kill)  # what the kernel started dies with it, also here
                     status, error = caps.memory_exceeded() or ("sandbox_error", _kernel_died(exit_status))
-                    # it exits so only while no worker call runs (template._TemplateWatch): this one never began
+                    # it exits so only while no worker call runs (relay.TemplateWatch): this one never began
                     never_ran = status == "sandbox_error" and exit_status == TEMPLATE_GONE_EXIT
                     break
                 continue
@@ -486,7 +486,7 @@ def _unconfirmed(worker: str) -> ErrorInfo:
 
 
 def _worker_exit(evalue: str) -> tuple[int | None, bool]:
-    """The exit status of a worker that ended without finishing its cell (template.EXIT_ERROR), and whether it had
+    """The exit status of a worker that ended without finishing its cell (relay.EXIT_ERROR), and whether it had
     begun the cell."""
     try:
         report = json.loads(evalue)
