@@ -217,7 +217,7 @@ class Metrics:
         )
         yield CounterMetricFamily(
             "sandbox_calls_rerun",
-            "Stateless calls run again on another kernel: theirs was found broken before the code started",
+            "Stateless calls run once more because they failed before any of their code started",
             value=pool.calls_rerun,
         )
 

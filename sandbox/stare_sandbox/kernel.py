@@ -464,14 +464,21 @@ def _kernel_died(exit_status: int | None) -> ErrorInfo:
     return ErrorInfo(name="KernelDied", message=message)
 
 
-def _relay_failed(evalue: str) -> tuple[ErrorInfo, bool]:
-    """The error of a call the kernel could not run as designed (template.RELAY_ERROR), and whether its code may
-    have started."""
+def _fields(evalue: str) -> dict:
+    """The fields of an error the kernel made up for a call its worker did not report (relay.EXIT_ERROR,
+    relay.RELAY_ERROR); {} when the message is not theirs."""
     try:
-        report = json.loads(evalue)
-        why, ran = str(report["why"]), bool(report["ran"])
-    except (ValueError, KeyError, TypeError):
-        why, ran = evalue, True
+        fields = json.loads(evalue)
+    except ValueError:
+        return {}
+    return fields if isinstance(fields, dict) else {}
+
+
+def _relay_failed(evalue: str) -> tuple[ErrorInfo, bool]:
+    """The error of a call the kernel could not run as designed (relay.RELAY_ERROR), and whether its code may have
+    started (True when the message does not say)."""
+    fields = _fields(evalue)
+    why, ran = str(fields.get("why", evalue)), bool(fields.get("ran", True))
     started = "its code may have run in part" if ran else "its code never ran"
     message = f"{why}; {started}, and the kernel is replaced, so all variables are lost"
     return ErrorInfo(name="KernelFailed", message=message), ran
@@ -487,12 +494,9 @@ def _unconfirmed(worker: str) -> ErrorInfo:
 
 def _worker_exit(evalue: str) -> tuple[int | None, bool]:
     """The exit status of a worker that ended without finishing its cell (relay.EXIT_ERROR), and whether it had
-    begun the cell."""
-    try:
-        report = json.loads(evalue)
-        return _int_or_none(str(report["status"])), bool(report["ran"])
-    except (ValueError, KeyError, TypeError):
-        return None, True
+    begun the cell (True when the message does not say)."""
+    fields = _fields(evalue)
+    return _int_or_none(str(fields.get("status"))), bool(fields.get("ran", True))
 
 
 def _worker_died(status: int | None) -> ErrorInfo:

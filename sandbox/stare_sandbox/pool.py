@@ -244,7 +244,7 @@ class KernelPool:
         self.retired_by_cause: collections.Counter[str] = collections.Counter()  # keys: RETIRE_CAUSES
         self.starting_peak = 0  # most kernels starting at once so far: at most max_starting when that is > 0
         self.waits_refused = 0  # calls that got no kernel within queue_wait_s (KernelsBusy)
-        self.calls_rerun = 0  # stateless calls run again on another kernel: theirs broke before the code started
+        self.calls_rerun = 0  # stateless calls run once more: they failed before any of their code started
         self.wait_counts = [0] * (len(self.WAIT_BUCKETS_S) + 1)  # acquire calls by seconds waited, per bucket
         self.wait_sum_s = 0.0
 

@@ -145,7 +145,7 @@ class TemplateLink:
             raise _RelayFailed(f"the template process is gone (asking it to end worker {pid}: {exc})") from exc
 
     def ended(self, pid: int, wait_s: float) -> dict:
-        """How the worker ended (_ending), once its processes are gone and the scratch dir emptied. Waits up to
+        """How the worker ended (worker_ending), once its processes are gone and the scratch dir emptied. Waits up to
         `wait_s` for the template to say."""
         while pid not in self.exits:
             if self._next(wait_s) is None:
@@ -254,8 +254,7 @@ class _Relay:
         """The report of a worker that ended without finishing its cell (the template's report of its end says
         how; _RelayFailed when the template is gone too)."""
         self.died = True
-        evalue = json.dumps({"status": self.end()["status"], "ran": self.started})
-        return {"error": {"ename": EXIT_ERROR, "evalue": evalue, "traceback": []}, "displays": []}
+        return _error_report(EXIT_ERROR, status=self.end()["status"], ran=self.started)
 
     def end(self) -> dict:
         """End the worker and wait until the template has cleaned up after it (ended); free this side's descriptors.
@@ -291,10 +290,10 @@ def _decoder() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")("replace")
 
 
-def _failure(why: str, ran: bool) -> dict:
-    """The report of a call the kernel could not run as designed (RELAY_ERROR)."""
-    evalue = json.dumps({"ran": ran, "why": why})
-    return {"error": {"ename": RELAY_ERROR, "evalue": evalue, "traceback": []}, "displays": []}
+def _error_report(ename: str, **fields: object) -> dict:
+    """A report the kernel makes up for a call its worker did not report (EXIT_ERROR, RELAY_ERROR): the error's
+    message is the JSON of `fields`."""
+    return {"error": {"ename": ename, "evalue": json.dumps(fields), "traceback": []}, "displays": []}
 
 
 def relay_kernel_class(link: TemplateLink) -> type:
@@ -325,11 +324,12 @@ def relay_kernel_class(link: TemplateLink) -> type:
                     if gone is not None and mode == "session":  # the session's worker dies with its template
                         raise _RelayFailed(f"{gone}, and the session's worker with it", ran=True)
                 except _RelayFailed as exc:
-                    report, gone = _failure(exc.why, bool(exc.ran)), exc.why
+                    report, gone = _error_report(RELAY_ERROR, ran=bool(exc.ran), why=exc.why), exc.why
                 except Exception as exc:  # noqa: BLE001 - a fault of the relay's own: never an answer without a report
                     gone = f"the kernel's relay failed: {type(exc).__name__}: {exc}"
-                    report = _failure(gone, True)
-                return self._answer(call, report, gone)
+                    report = _error_report(RELAY_ERROR, ran=True, why=gone)
+                self._left["gone"] = gone
+                return self._answer(call, report)
             finally:
                 watch.end(told=gone is not None)
 
@@ -359,15 +359,15 @@ def relay_kernel_class(link: TemplateLink) -> type:
                 self._check_end(relay)
             return report
 
-        def _answer(self, call: str, report: dict, gone: str | None) -> dict:
-            """Publish the worker's displays, what ending workers left (and whether the kernel must retire), the
-            confirmation of a call its worker reported (WORKER_DONE_MIME), and its error; the reply."""
+        def _answer(self, call: str, report: dict) -> dict:
+            """Publish the worker's displays, what ending workers left (and whether the kernel must retire: _left),
+            the confirmation of a call its worker reported (WORKER_DONE_MIME), and its error; the reply."""
             for display in report["displays"]:
                 if not {WORKER_END_MIME, WORKER_DONE_MIME} & set(display["data"]):  # only the kernel says those
                     content = {"data": display["data"], "metadata": display["metadata"], "transient": {}}
                     self._publish("display_data", content)
-            left = {**self._left, "gone": gone}
-            if left["scratch_bytes"] or left["unclean"] or gone:
+            left = self._left
+            if left["scratch_bytes"] or left["unclean"] or left["gone"]:
                 self._publish("display_data", {"data": {WORKER_END_MIME: left}, "metadata": {}, "transient": {}})
             error = report["error"]
             if error is None or error["ename"] not in (EXIT_ERROR, RELAY_ERROR):
