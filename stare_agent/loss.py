@@ -22,6 +22,16 @@ def group_advantages(rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> 
     return (centered / (std + eps)).view(-1)
 
 
+def on_actions(action_mask: Tensor, tensor: Tensor) -> Tensor:
+    """tensor with every position outside action_mask set to 0, gradient included: whatever a prompt, tool-output
+    or padding position holds (inf, NaN), it cannot reach a loss or its gradient. Masking by multiplying does not
+    do this (0 * inf is NaN, and a NaN there turns the whole gradient NaN)."""
+    action = action_mask.bool()
+    if tensor.dim() == 1 and action.dim() == 2:  # per-sample values (advantages) are fine as they are
+        return tensor
+    return torch.where(action, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+
+
 def token_losses(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -80,14 +90,17 @@ def policy_loss(
     micro-batch of several, so the token-level mean is over the batch (default: this mask's sum).
     clip: False = the unclipped -rho A (KL-Cov). penalty: optional (B, T) coefficient k of a term
     k * |log pi - log pi_old| added to each token's loss (KL-Cov: its coef on the selected tokens, 0 elsewhere).
+    Positions outside action_mask change neither the loss nor its gradient, whatever they hold (on_actions); with
+    no action token the loss is 0.
     """
+    kept = [None if t is None else on_actions(action_mask, t) for t in (weights, penalty)]
     loss, clipped = token_losses(
-        logprobs, old_logprobs, advantages, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
-        weights=weights, clip=clip, penalty=penalty,
+        on_actions(action_mask, logprobs), on_actions(action_mask, old_logprobs), on_actions(action_mask, advantages),
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, weights=kept[0], clip=clip, penalty=kept[1],
     )  # fmt: skip
     mask = action_mask.to(loss.dtype)
     n = mask.sum() if num_tokens is None else num_tokens
-    total = (loss * mask).sum() / n
+    total = on_actions(action_mask, loss).sum() / _at_least_one(n)
     with torch.no_grad():
         metrics = {"policy/clip_frac": (clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp_min(1)}
     return total, metrics
@@ -110,8 +123,14 @@ def logprob_mismatch(rollout_logprobs: Tensor, trainer_logprobs: Tensor, action_
 
 def entropy_bonus_loss(entropy: Tensor, action_mask: Tensor, alpha: float, num_tokens: Tensor | float) -> Tensor:
     """-(alpha / N) * sum of the current policy's entropy over the action tokens, to add to the loss (the adaptive
-    entropy bonus). entropy: (B, T) with grad; N: the action tokens of the whole batch, as policy_loss's."""
-    return -alpha * torch.where(action_mask.bool(), entropy, torch.zeros((), dtype=entropy.dtype)).sum() / num_tokens
+    entropy bonus). entropy: (B, T) with grad; N: the action tokens of the whole batch, as policy_loss's. Positions
+    outside the mask count for nothing, whatever they hold; 0 when there is no action token."""
+    return -alpha * on_actions(action_mask, entropy).sum() / _at_least_one(num_tokens)
+
+
+def _at_least_one(n: Tensor | float) -> Tensor | float:
+    """A token count to divide by: with no action token the sum is 0 and so is the mean (not 0 / 0)."""
+    return n.clamp_min(1) if isinstance(n, Tensor) else max(n, 1)
 
 
 @torch.no_grad()

@@ -518,6 +518,42 @@ def test_the_update_methods_loss_through_openrlhf_equals_the_local_loss(hooks, m
     assert float(info["approx_kl"]) > 0 and 0 <= float(info["clip_frac_high"]) <= 1
 
 
+@pytest.mark.parametrize("method", ["none", "stare", "clip_cov", "kl_cov"])
+def test_masked_positions_change_neither_the_ranks_loss_nor_its_gradient(hooks, method):
+    """MethodLoss, through OpenRLHF's PolicyLoss (STARE, none) and through ours (Clip-Cov, KL-Cov): inf, -inf and
+    NaN at masked positions of the log-probs, the sampling log-probs and the advantages give the loss and gradient
+    of the same batch with ordinary values there (OpenRLHF's PolicyLoss alone returns NaN)."""
+    from openrlhf.models import PolicyLoss
+
+    from stare_agent.entropy_control import ClipCovConfig, KLCovConfig
+
+    logprobs, old, adv, mask = method_tensors(seed=2)
+    selected = torch.zeros_like(mask)
+    selected[0, 2], selected[2, 6] = True, True
+    hostile = torch.tensor([float("inf"), float("-inf"), float("nan")])
+
+    def poison(t, shift):
+        out = t.detach().clone()
+        out[~mask] = hostile[(torch.arange(int((~mask).sum())) + shift) % 3]
+        return out
+
+    results = []
+    for dirty in (False, True):
+        config = rl_config(method, clip_cov=ClipCovConfig(), kl_cov=KLCovConfig(coef=2.5))
+        state = hooks.updates.UpdateControl(EntropyControl(config), current=NS(info={}, stare_selected=selected))
+        loss_fn = hooks.updates.MethodLoss(NS(update_control=state, trainer=NS()), PolicyLoss(0.2, 0.28))
+        leaf = (poison(logprobs, 0) if dirty else logprobs.detach().clone()).requires_grad_()
+        args = (poison(old, 1), poison(adv, 2)) if dirty else (old, adv)
+        loss, *_ = loss_fn(leaf, *args, action_mask=mask.float(), dp_size=1, batch_num_tokens=float(mask.sum()))
+        loss.backward()
+        results.append((loss.detach(), leaf.grad))
+    (clean, clean_grad), (got, grad) = results
+    assert torch.isfinite(got) and torch.isfinite(grad).all()
+    torch.testing.assert_close(got, clean)
+    torch.testing.assert_close(grad, clean_grad)
+    assert (grad[~mask] == 0).all() and (grad[mask] != 0).any()
+
+
 def test_the_ranks_per_class_shares_become_the_steps_selected_share_by_class(hooks, tiny_model):
     """A rank's micro-batch logs each class's selected tokens and tokens as token means (updates.class_shares);
     after OpenRLHF averages them over the step, the trainer's ratio is the share of the class's tokens selected."""

@@ -13,8 +13,10 @@ it (the method, its settings, the step, the entropy bonus's alpha) reaches every
 - **The loss.** `MethodLoss` stands in for the rank's `actor_loss_fn` (OpenRLHF's PolicyLoss). For Clip-Cov and
   KL-Cov it is `loss.token_losses` with the update's selection, aggregated by OpenRLHF's own `aggregate_loss` (the
   same global token mean); for every other method it is OpenRLHF's PolicyLoss unchanged (the advantage methods
-  already scaled the advantages). For every method it adds the update's ratio statistics to the micro-batch's
-  `info`, which OpenRLHF averages over tokens and logs (`train/clip_frac_high`, ...).
+  already scaled the advantages). Either way the log-probs and advantages are set to 0 outside the action mask first
+  (loss.on_actions), so a masked position cannot turn the loss or its gradient NaN. For every method it adds the
+  update's ratio statistics to the micro-batch's `info`, which OpenRLHF averages over tokens and logs
+  (`train/clip_frac_high`, ...).
 - **Non-finite gradients.** An optimizer update whose gradients are NaN or infinite stops the run (exit code 6),
   as in the local backend, where DeepSpeed would skip it silently or, under ZeRO-3 with bf16, apply it
   (upstream.checking_updates, put in place of the strategy's optimizer_step).
@@ -34,7 +36,7 @@ from torch import Tensor
 from stare_agent import protocol
 from stare_agent.backends.openrlhf import upstream
 from stare_agent.entropy_control import UPDATE_METHODS, EntropyControl, selection_loss_terms
-from stare_agent.loss import ratio_stats, token_losses
+from stare_agent.loss import on_actions, ratio_stats, token_losses
 from stare_agent.step import UpdatePart, class_masks, update_selection
 
 _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
@@ -175,6 +177,12 @@ class MethodLoss:
     ) -> tuple:
         state: UpdateControl = self.rank.update_control
         exp, config = state.current, state.control.config
+        if action_mask is not None:  # what a masked position holds must not reach the loss or its gradient
+            log_probs, old_log_probs, advantages = (
+                on_actions(action_mask, t) for t in (log_probs, old_log_probs, advantages)
+            )
+            if rollout_log_probs is not None:
+                rollout_log_probs = on_actions(action_mask, rollout_log_probs)
         method = state.control.method
         if method in UPDATE_METHODS:
             selected = getattr(exp, SELECTED)
