@@ -26,6 +26,7 @@ from stare_agent.entropy_control import (
     KLCovConfig,
     LowProbReweightConfig,
 )
+from stare_agent.eval import Select
 from stare_agent.provenance import record_start
 from stare_agent.stare import StareConfig
 from stare_sandbox.client import check_url, check_urls
@@ -204,8 +205,10 @@ class SFTConfig:
     """Optimizer steps between eval-loss passes (0 = only at the end)."""
     save_every: int = 0
     """Optimizer steps between checkpoints (0 = only at the end)."""
-    resume: str = ""
-    """A checkpoint folder to continue from, or 'auto' = the latest in this run directory."""
+    resume: str = "auto"
+    """'auto' = continue from this run directory's last complete checkpoint (none yet: start at step 0), so a rerun
+    of the same command continues the run; a checkpoint folder to continue from; '' = start at step 0, refused when
+    the run directory already holds a complete checkpoint (stare_agent/reruns.py)."""
     backend: Backend = "local"
     """local: this process (CPU or one GPU); openrlhf: OpenRLHF's DeepSpeed SFT trainer with our masked dataset."""
     openrlhf: dict[str, Any] = field(default_factory=dict)
@@ -331,8 +334,17 @@ class RLConfig:
     """Steps, each one rollout batch trained with optim.updates_per_batch optimizer updates."""
     save_every: int = 0
     """Steps between checkpoints (0 = only at the end)."""
-    resume: str = ""
-    """A checkpoint folder to continue from, or 'auto' = the latest in this run directory."""
+    resume: str = "auto"
+    """'auto' = continue from this run directory's last complete checkpoint (none yet: start at step 0), so a rerun
+    of the same command continues the run; a checkpoint folder to continue from; '' = start at step 0, refused when
+    the run directory already holds a complete checkpoint (stare_agent/reruns.py)."""
+    keep_snapshots: int = 5
+    """Hugging Face snapshots kept (those of the highest steps); older ones are deleted after each save (0 = keep
+    all). Never deleted: pinned ones and the latest resumable checkpoint's (stare_agent/snapshots.py). In the local
+    backend a snapshot is the whole checkpoint; openrlhf's DeepSpeed checkpoints are rotated by its ckpt.max_num."""
+    pin_snapshots: list[int] = field(default_factory=list)
+    """Steps whose snapshots rotation never deletes, e.g. [50, 100, 150]; each must be a step that is saved. A
+    snapshot is also pinned by a file named KEEP in its folder (`touch <run>/checkpoints/step-000040/KEEP`)."""
     backend: Backend = "local"
     """local: this process (CPU or one GPU); openrlhf: Ray-scheduled DeepSpeed actors with vLLM rollouts."""
     openrlhf: dict[str, Any] = field(default_factory=dict)
@@ -343,6 +355,18 @@ class RLConfig:
         _check_backend(self.backend, self.openrlhf)
         if self.steps < 1 or self.save_every < 0:
             raise ValueError("steps must be >= 1 and save_every >= 0")
+        if self.keep_snapshots < 0:
+            raise ValueError(f"keep_snapshots must be >= 0 (0 = keep every snapshot); got {self.keep_snapshots}")
+        every = self.save_every or self.steps  # save_every 0: only the last step is saved
+        unsaved = [
+            p for p in sorted(set(self.pin_snapshots)) if not 0 < p <= self.steps or p % every and p < self.steps
+        ]
+        if unsaved:
+            saved = f"multiples of save_every={self.save_every} and" if self.save_every else "with save_every=0 only"
+            raise ValueError(
+                f"pin_snapshots {unsaved}: no snapshot is saved at these steps (saved: {saved} the last step, "
+                f"steps={self.steps}); pin steps that are saved"
+            )
         episodes = self.rollout.prompts_per_step * self.rollout.group_size
         if episodes % self.optim.updates_per_batch:
             raise ValueError(
@@ -383,12 +407,23 @@ class EvalConfig:
     """Evaluate only the first n problems of each set (0 = all); for quick checks."""
     transcripts: int = 8
     """Sample transcripts saved per benchmark."""
+    snapshots: str = ""
+    """A training run's folder: evaluate every Hugging Face snapshot in its checkpoints/ (either backend's) instead of
+    model.path, on the one validation file in `files`, and name the best by `select` (docs/local_backend.md)."""
+    select: Select = "avg@k"
+    """With snapshots: the metric that names the best snapshot (a tie goes to the earliest step)."""
 
     def __post_init__(self) -> None:
         if self.k < 1 or any(v < 1 for v in self.k_per_benchmark.values()) or self.batch_size < 1:
             raise ValueError("k, k_per_benchmark values and batch_size must be >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_problems < 0:
             raise ValueError("temperature must be >= 0, top_p in (0, 1], max_problems >= 0")
+        if self.snapshots and (self.model.path or self.benchmarks or len(self.files) != 1):
+            raise ValueError(
+                f"snapshots={self.snapshots!r} evaluates every snapshot of that run on one validation file: set "
+                "files=[VALIDATION_FILE] and leave model.path and benchmarks empty (choosing a snapshot by its score "
+                "on the test benchmarks would make that score optimistic; evaluate the chosen one on them afterwards)"
+            )
 
 
 # ----------------------------------------------------------------------------------------------

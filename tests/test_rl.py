@@ -119,6 +119,55 @@ def test_rl_resume_is_exact(tmp_path, tiny_model_dir, prompts, varied_reward):
     assert state["stare"]["step"] == 3 and state["cursor"] > 0
 
 
+@pytest.mark.parametrize("fault", ["killed_after_a_save", "killed_mid_save", "pointer_emptied", "pointer_lost"])
+def test_the_same_command_again_continues_the_run_exactly(
+    tmp_path, tiny_model_dir, prompts, varied_reward, fault, capsys
+):
+    """A requeued job replays its command (resume left at its default): it continues from the last complete
+    checkpoint, whatever a crash left behind, and ends as an uninterrupted run, each step logged once."""
+    args = (tmp_path, tiny_model_dir, prompts)
+    straight = rl.run(config(*args, "straight", "steps=3"))
+    rl.run(config(*args, "split", "steps=3", "save_every=1", "entropy_control.report_every=1"))
+    split = tmp_path / "split" / "checkpoints"
+    shutil.rmtree(split / "step-000003")  # the crash came in step 3: its checkpoint was never written
+    (split / "latest").write_text("step-000002\n")
+    if fault == "killed_mid_save":  # what a kill inside save_checkpoint leaves: a partial folder, latest unchanged
+        partial = split / ".partial-step-000003-4242"
+        partial.mkdir()
+        (partial / "model.safetensors").write_bytes(b"half a model")
+    elif fault == "pointer_emptied":  # a full disk while `latest` was rewritten
+        (split / "latest").write_text("")
+    elif fault == "pointer_lost":  # `latest` names a checkpoint that is gone
+        (split / "latest").write_text("step-000003\n")
+    logged = rows(tmp_path / "split")[:2]
+    capsys.readouterr()
+    resumed = rl.run(config(*args, "split", "steps=3", "save_every=1", "entropy_control.report_every=1"))
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in rows(tmp_path / "split")] == [1, 2, 3]
+    assert rows(tmp_path / "split")[:2] == logged  # steps 1 and 2 were not trained again
+    assert f"resumed from {split / 'step-000002'} at step 2" in capsys.readouterr().out
+    reports = (tmp_path / "split" / "selected_tokens.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in reports] == [1, 2, 3]
+    assert not list(split.glob(".partial-*"))
+    assert (split / "latest").read_text().strip() == "step-000003"
+
+
+def test_starting_fresh_over_a_checkpoint_is_refused_and_deletes_nothing(
+    tmp_path, tiny_model_dir, prompts, varied_reward
+):
+    args = (tmp_path, tiny_model_dir, prompts)
+    rl.run(config(*args, "run", "steps=1", "entropy_control.report_every=1"))
+    run_dir = tmp_path / "run"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "provenance.jsonl"}
+    with pytest.raises(ConfigError, match=r"resume='' starts the run over, but .*run already holds a complete"):
+        rl.run(config(*args, "run", "steps=1", "resume="))
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "provenance.jsonl"}
+    assert after == before and any(p.name == "metrics.jsonl" for p in before)
+    fresh = rl.run(config(*args, "other", "steps=1", "resume="))  # a new folder starts fresh as asked
+    assert fresh.name == "step-000001"
+
+
 def own_episodes(trainer, *, temperature=1.0, offset=0.0, groups=2, group_size=4, seed=0):
     """Hand-made groups (prompt, a turn, an observation, a turn) whose rollout log-probs are the trainer's model's
     own under softmax(logits / temperature), shifted by `offset`; rewards alternate 0, 1 within each group. Their

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from stare_agent.config import ConfigError, ModelConfig, OptimConfig
+from stare_agent.reruns import check_fresh_start
 from stare_agent.runtime import NonFiniteGradient
 
 CHECKPOINTS = "checkpoints"
@@ -197,10 +198,24 @@ def save_checkpoint(run_dir: Path, step: int, model: Any, tokenizer: Any, state:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = run_dir / CHECKPOINTS / "latest"
-    if not pointer.exists():
+    """The run's last complete checkpoint: the one `checkpoints/latest` names, or, when that pointer is missing or
+    names no complete checkpoint (lost, emptied by a full disk, or its folder deleted), the highest-numbered
+    complete `step-*` folder, said in one line. None when there is no complete checkpoint.
+
+    A `step-*` folder exists only complete (save_checkpoint renames it into place when it is written). The pointer
+    wins over the highest number: a run resumed from an earlier checkpoint of its own leaves later, abandoned ones.
+    """
+    root = run_dir / CHECKPOINTS
+    pointer = root / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else ""
+    if named and (root / named / TRAINER_STATE).is_file():
+        return root / named
+    complete = sorted(p for p in root.glob("step-*") if (p / TRAINER_STATE).is_file())
+    if not complete:
         return None
-    return run_dir / CHECKPOINTS / pointer.read_text().strip()
+    why = f"names {named!r}, which is not a complete checkpoint" if named else "is missing or empty"
+    print(f"checkpoints: {pointer} {why}; continuing from {complete[-1].name}, the last complete one", flush=True)
+    return complete[-1]
 
 
 def clean_partial_checkpoints(run_dir: Path) -> None:
@@ -209,9 +224,11 @@ def clean_partial_checkpoints(run_dir: Path) -> None:
 
 
 def resolve_resume(resume: str, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from: '' = none, 'auto' = the run's latest (none yet is fine), else a folder."""
+    """The checkpoint to resume from: 'auto' = the run's last complete one (none yet is fine), '' = none (refused
+    over a run that has one: reruns.check_fresh_start), else a folder. Leftovers of an interrupted save go first."""
     clean_partial_checkpoints(run_dir)
     if not resume:
+        check_fresh_start(resume, run_dir, latest_checkpoint(run_dir))
         return None
     if resume == "auto":
         return latest_checkpoint(run_dir)
