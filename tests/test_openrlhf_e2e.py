@@ -67,6 +67,18 @@ def test_ray_env_carries_our_config_and_openrlhfs_defaults_with_the_users_values
     assert episodes.config_from_env(env) == config
 
 
+def test_ray_env_forwards_what_a_cluster_job_sets_for_its_actors(tmp_path):
+    job = {"WANDB_API_KEY": "k", "NCCL_SOCKET_IFNAME": "ib0", "HF_HOME": "/scratch/hf", "SANDBOX_TOKEN": "t",
+           "HOME": "/home/u", "CUDA_VISIBLE_DEVICES": "0"}  # fmt: skip
+    env = train.ray_env(load_config(RLConfig), environ=job)
+    for name in ("WANDB_API_KEY", "NCCL_SOCKET_IFNAME", "HF_HOME", "SANDBOX_TOKEN"):
+        assert env[name] == job[name]
+    assert "HOME" not in env and "CUDA_VISIBLE_DEVICES" not in env  # Ray sets these per worker itself
+    first = train.wandb_env(tmp_path, environ={})
+    assert first["WANDB_RESUME"] == "allow" and train.wandb_env(tmp_path, environ={}) == first  # a rerun: same run
+    assert train.wandb_env(tmp_path, environ={"WANDB_RUN_ID": "mine"})["WANDB_RUN_ID"] == "mine"
+
+
 @needs_the_stack
 def test_ray_env_defaults_are_those_of_openrlhfs_train():
     """Pinned against the source of openrlhf/cli/train_ppo_ray.py: train() sets these when it starts Ray itself."""

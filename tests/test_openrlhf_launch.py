@@ -373,3 +373,103 @@ def test_paper_rl_configs_differ_only_in_the_method_stare_and_run_name():
     first, *rest = cfgs.values()
     for other in rest:
         assert comparable(other) == comparable(first)
+
+
+# --- reruns over a run folder (resume.py) ---------------------------------------------------------------------------
+
+
+def actor_checkpoint(run_dir: Path, step: int, ranks: int = 1, *, complete: bool = True) -> Path:
+    """A DeepSpeed ZeRO checkpoint folder as OpenRLHF lays it out (file names only; the contents are not read)."""
+    from stare_agent.backends.openrlhf import resume
+
+    folder = resume.actor_dir(run_dir) / f"global_step{step}"
+    folder.mkdir(parents=True)
+    for rank in range(ranks):
+        (folder / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"x")
+        (folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"x")
+    if complete:
+        resume.mark_complete(run_dir / "checkpoints", step)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        ("none", "global_step4"),  # `latest` names the last complete one: left alone
+        ("killed_mid_save", "global_step4"),  # global_step6 half written, `latest` still names 4
+        ("pointer_emptied", "global_step4"),  # a full disk while DeepSpeed rewrote `latest`
+        ("pointer_missing", "global_step4"),
+    ],
+)
+def test_a_rerun_continues_from_the_last_complete_checkpoint(tmp_path, capsys, fault, expected):
+    from stare_agent.backends.openrlhf import resume
+
+    run_dir = tmp_path / "run"
+    actor_checkpoint(run_dir, 2)
+    actor_checkpoint(run_dir, 4)
+    latest = resume.actor_dir(run_dir) / "latest"
+    latest.write_text("global_step4")
+    if fault != "none":
+        actor_checkpoint(run_dir, 6, complete=False)
+    if fault == "pointer_emptied":
+        latest.write_text("")
+    elif fault == "pointer_missing":
+        latest.unlink()
+    capsys.readouterr()
+    assert resume.prepare(run_dir).name == expected
+    assert latest.read_text().strip() == expected  # what DeepSpeed loads
+    said = capsys.readouterr().out
+    assert ("continuing from global_step4, the last complete checkpoint" in said) == (
+        fault not in ("none", "killed_mid_save")
+    )
+    assert (resume.actor_dir(run_dir) / "global_step6").exists() == (fault != "none")  # nothing deleted
+
+
+def test_a_first_save_that_did_not_finish_starts_the_run_at_step_0(tmp_path, capsys):
+    from stare_agent.backends.openrlhf import resume
+
+    run_dir = tmp_path / "run"
+    actor_checkpoint(run_dir, 1, complete=False)
+    latest = resume.actor_dir(run_dir) / "latest"
+    latest.write_text("")
+    assert resume.prepare(run_dir) is None
+    assert not latest.exists() and (latest.with_name("latest.incomplete")).exists()
+    assert "holds no complete checkpoint" in capsys.readouterr().out
+    assert resume.prepare(run_dir) is None  # and again: nothing left to set aside, nothing said
+
+
+@needs_openrlhf
+def test_a_checkpoint_saved_by_another_number_of_ranks_is_refused_with_the_conversion(tmp_path):
+    from stare_agent.backends.openrlhf import resume
+
+    run_dir = tmp_path / "run"
+    checkpoint = actor_checkpoint(run_dir, 3, ranks=4)
+    (resume.actor_dir(run_dir) / "latest").write_text("global_step3")
+    cfg = config("rollout.prompts_per_step=2", "rollout.group_size=4", "loss.micro_batch_size=1",
+                 "openrlhf.actor.num_gpus_per_node=2", "openrlhf.rollout.micro_batch_size=1")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"saved by 4 training ranks and this run has 2.*ds_to_universal") as err:
+        resolve_rl(cfg, run_dir)
+    assert f"--input_folder {checkpoint} " in str(err.value) and "use_universal_ckpt: true" in str(err.value)
+    resolve_rl(load_config(RLConfig, None, [*cfg_overrides(cfg), "openrlhf.ds.use_universal_ckpt=true"]), run_dir)
+    for name in list(checkpoint.iterdir()):  # the same count: accepted
+        if "rank_2" in name.name or "rank_3" in name.name:
+            name.unlink()
+    resolve_rl(cfg, run_dir)
+
+
+def cfg_overrides(cfg: RLConfig) -> list[str]:
+    return ["backend=openrlhf", "model.path=/models/sft", "data.train_file=/data/prompts.jsonl",
+            "model.dtype=bfloat16", "rollout.prompts_per_step=2", "rollout.group_size=4", "loss.micro_batch_size=1",
+            "openrlhf.actor.num_gpus_per_node=2", "openrlhf.rollout.micro_batch_size=1"]  # fmt: skip
+
+
+@needs_openrlhf
+def test_a_fresh_start_over_a_checkpoint_and_a_single_kept_checkpoint_are_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    resolve_rl(config("resume="), run_dir)  # nothing there yet: a fresh start is fine
+    actor_checkpoint(run_dir, 2, ranks=8)  # the default placement's 8 ranks
+    with pytest.raises(ConfigError, match=r"resume='' starts the run over, but .* holds a complete checkpoint"):
+        resolve_rl(config("resume="), run_dir)
+    resolve_rl(config(), run_dir)  # the default continues it
+    with pytest.raises(ConfigError, match="ckpt.max_num=1: OpenRLHF deletes the oldest checkpoints before"):
+        resolve_rl(config("openrlhf.ckpt.max_num=1"), run_dir)

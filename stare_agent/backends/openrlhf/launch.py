@@ -32,9 +32,11 @@ from typing import Any
 
 import yaml
 
+from stare_agent.backends.openrlhf import resume
 from stare_agent.backends.openrlhf.sft import DTYPES, SCHEDULES, local_only_problems
 from stare_agent.config import ConfigError, RLConfig, SFTConfig, run_path, save_config, to_dict
 from stare_agent.entropy_control import UPDATE_METHODS
+from stare_agent.reruns import check_fresh_start
 
 # OpenRLHF flags we refuse in the openrlhf block: (flag, allowed values or None for "never", why).
 REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
@@ -112,6 +114,8 @@ def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tupl
         "ckpt.load_enable": (bool(config.resume), "resume"),
         "ckpt.save_hf": (True, "a Hugging Face model at every checkpoint, for `stare-agent eval` (fixed)"),
         "logger.tensorboard_dir": (str(run_dir / "tb"), "run.output_dir / run.name"),
+        # OpenRLHF writes TensorBoard under tb/<this name> (a time stamp by default): fixed, a rerun continues it
+        "logger.wandb.run_name": (run_dir.name, "run.name"),
     }
     if config.save_every:
         flags["ckpt.save_steps"] = (config.save_every, "save_every")
@@ -210,7 +214,24 @@ def resolve_rl(config: RLConfig, run_dir: Path | None = None) -> tuple[list[str]
             "backend openrlhf: " + "; ".join(uneven) + ": ranks with different numbers of micro-batches wait for "
             "each other until the distributed timeout; change the batch or the micro-batch sizes"
         )
+    rerun_problems(config, namespace, run_dir)
     return argv, namespace
+
+
+def rerun_problems(config: RLConfig, namespace: Any, run_dir: Path) -> None:
+    """ConfigError when this run could lose or fail to load the run folder's checkpoints (resume.py)."""
+    flags = vars(namespace)
+    if flags["ckpt.max_num"] < 2:
+        raise ConfigError(
+            f"openrlhf.ckpt.max_num={flags['ckpt.max_num']}: OpenRLHF deletes the oldest checkpoints before it writes "
+            "a new one, so with fewer than 2 a crash during a save leaves no checkpoint; keep at least 2"
+        )
+    newest = resume.newest_complete(run_dir)
+    check_fresh_start(config.resume, run_dir, newest)
+    ranks = flags["actor.num_nodes"] * flags["actor.num_gpus_per_node"]
+    problem = resume.world_size_problem(newest, ranks, flags["ds.use_universal_ckpt"])
+    if problem:
+        raise ConfigError(f"resume=auto: {problem}")
 
 
 def _checked_by_openrlhf(cli: str, ours: dict[str, tuple[Any, str]], block: dict[str, Any]) -> tuple[list[str], Any]:
@@ -264,6 +285,8 @@ def run_rl(config: RLConfig, dry_run: bool = False) -> None:
         return
     from stare_agent.backends.openrlhf import train
 
+    if config.resume:
+        resume.prepare(run_dir)
     train.run(config, argv, run_dir)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import runpy
 import sys
 import warnings
@@ -43,12 +44,34 @@ RAY_ENV_DEFAULTS = {
 there, a value already in our environment wins."""
 
 
+FORWARDED_ENV = ("WANDB_", "NCCL_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "SANDBOX_TOKEN", "STARE_AGENT_")
+"""Names (prefixes) of the driver's environment variables that every Ray actor gets too. Ray starts its workers
+from the raylet's environment, not the driver's: without this, a job's WANDB_API_KEY, NCCL_SOCKET_IFNAME,
+HF_HOME or sandbox token would not reach the trainer, the DeepSpeed ranks or the engines on other nodes."""
+
+
 def ray_env(config: RLConfig, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """runtime_env env_vars for every Ray actor: OpenRLHF's defaults (ours win when set) and our config."""
+    """runtime_env env_vars for every Ray actor: OpenRLHF's defaults (ours win when set), the variables named by
+    FORWARDED_ENV, and our config."""
     environ = dict(os.environ) if environ is None else environ
     env = {name: environ.get(name, default) for name, default in RAY_ENV_DEFAULTS.items()}
+    env.update({name: value for name, value in environ.items() if name.startswith(FORWARDED_ENV)})
     env.update(episodes.config_env(config))
     return env
+
+
+def wandb_env(run_dir: Path, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """WANDB_RUN_ID (kept in the run folder, made on the first start) and WANDB_RESUME=allow, so that a rerun of the
+    run logs to the same wandb run; a value the user exported wins."""
+    environ = dict(os.environ) if environ is None else environ
+    saved = run_dir / "wandb_run_id"
+    if not saved.is_file():
+        name = re.sub(r"[^A-Za-z0-9_-]", "-", run_dir.name)[:40]  # the characters wandb allows in an id
+        saved.write_text(f"{name}-{os.urandom(4).hex()}\n")
+    return {
+        "WANDB_RUN_ID": environ.get("WANDB_RUN_ID", saved.read_text().strip()),
+        "WANDB_RESUME": environ.get("WANDB_RESUME", "allow"),
+    }
 
 
 @contextlib.contextmanager
@@ -90,7 +113,7 @@ def run(config: RLConfig, argv: list[str], run_dir: Path) -> None:
     from stare_agent.backends.openrlhf import hooks  # imports OpenRLHF: only once we train
 
     save_config(config, run_dir)
-    with _ray_session(ray_env(config)):
+    with _ray_session({**ray_env(config), **wandb_env(run_dir)}):
         hooks.install()
         with _argv([upstream.RL_CLI, *argv]), warnings.catch_warnings():
             # runpy warns that the CLI module is already imported (by the parser check); harmless, as runpy says
