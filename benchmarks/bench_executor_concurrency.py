@@ -13,7 +13,8 @@ model's, `stare_agent.lab.models.build_tiny_model`); real Jupyter kernels, eithe
     in-process  the executor's own default client (sandbox.url empty): a kernel pool in this process, sized by
                 `episodes.concurrent_episodes(config)` (prompts_per_step x group_size = 512 in stateful mode); or
     server      a real `python -m stare_sandbox serve` on loopback (sandbox.url), sized by docs/sandbox.md's rule for
-                its largest level L (--max-sessions L + 8, --max-kernels L + pool + 8, --max-waiting max(L, 64)),
+                its largest level L in whole groups (--max-sessions L + 8, --max-kernels L + pool + 8,
+                --max-waiting max(L, 64)),
 in stateful tool mode (a session, so a kernel, per episode) and stateless (a pooled kernel per call).
 
 Generation is scripted: `llm_engine` is a stand-in for OpenRLHF's engine actor whose `generate(prompt_token_ids,
@@ -391,12 +392,17 @@ class Cell:
 
 
 def make_config(cell: Cell, url: str, args: argparse.Namespace) -> Any:
-    """The paper's agent and rollout settings (configs/rl_paper_*.yaml) with the cell's tool mode and sandbox."""
+    """The paper's agent and rollout settings (configs/rl_paper_*.yaml) with the cell's tool mode and sandbox.
+
+    Over the server a step is the cell's episodes (rounded up to whole groups), which the server is sized for: the
+    executor refuses a step that the server cannot hold (runtime.check_capacity). In-process it stays the paper's
+    64 prompts, whose count sizes the executor's own kernel pool (concurrent_episodes), the sizing measured here."""
     from stare_agent.config import AgentConfig, RLConfig, RolloutConfig, SandboxConfig
 
+    prompts = -(-cell.episodes // args.group_size) if url else 64
     return RLConfig(
         agent=AgentConfig(max_total_tokens=8192, max_tool_calls=8, tool_mode=cell.mode),
-        rollout=RolloutConfig(prompts_per_step=64, group_size=args.group_size, max_turn_tokens=8192),
+        rollout=RolloutConfig(prompts_per_step=prompts, group_size=args.group_size, max_turn_tokens=8192),
         sandbox=SandboxConfig(url=url, max_kernels=args.sandbox_max_kernels),
     )
 
@@ -604,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             url, server_pid = "", None
             if any(cell.client == "server" for cell in todo):
                 largest = max(cell.episodes for cell in todo if cell.client == "server")
+                largest = -(-largest // args.group_size) * args.group_size  # whole groups: make_config's step
                 pool_size = 4  # the in-process default (sandbox.pool_size), so both sides start alike
                 args.server_max_kernels = largest + pool_size + 8
                 flags = [

@@ -400,14 +400,14 @@ def _expected_failure(exc: Exception) -> tuple[int, str] | None:
     """(exit code, one-line message) for a failure that is the input's or the environment's, not a bug."""
     from stare_agent.audit import MaskAuditError
     from stare_agent.batching import NoStepTrained, SandboxFailures
-    from stare_agent.runtime import NonFiniteGradient
+    from stare_agent.runtime import NonFiniteGradient, SandboxBroken
     from stare_sandbox.client import SandboxUnavailable
 
     if isinstance(exc, (ConfigError, DataError)):
         return 2, str(exc)
     if isinstance(exc, SandboxUnavailable):
         return 3, f"sandbox unavailable: {exc}"
-    if isinstance(exc, SandboxFailures):
+    if isinstance(exc, (SandboxFailures, SandboxBroken)):
         return 3, str(exc)
     if isinstance(exc, NoStepTrained):
         return 4, str(exc)

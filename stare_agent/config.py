@@ -411,7 +411,8 @@ class EvalConfig:
     """A training run's folder: evaluate every Hugging Face snapshot in its checkpoints/ (either backend's) instead of
     model.path, on the one validation file in `files`, and name the best by `select` (docs/local_backend.md)."""
     select: Select = "avg@k"
-    """With snapshots: the metric that names the best snapshot (a tie goes to the earliest step)."""
+    """With snapshots: the metric that names the best snapshot, avg@k or pass@k (k = samples per problem); a tie goes
+    to the earliest step."""
 
     def __post_init__(self) -> None:
         if self.k < 1 or any(v < 1 for v in self.k_per_benchmark.values()) or self.batch_size < 1:

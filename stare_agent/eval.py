@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tqdm.auto import tqdm
 
@@ -262,3 +262,105 @@ def write_reports(reports: Sequence[BenchmarkReport], out_dir: str | Path) -> No
             f"{r.sandbox_errors} |"
         )
     (out / "results.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# --- every snapshot of a run on one validation set (`stare-agent eval snapshots=RUN`) --------------------------------
+
+Select = Literal["avg@k", "pass@k"]
+"""The metrics a best snapshot can be named by; pass@k is pass@ the set's samples per problem. (pass@1 is avg@k:
+with rewards of 0 or 1 both are the mean share of correct samples.)"""
+
+
+@dataclass
+class SnapshotScore:
+    """One snapshot's evaluation on the validation set."""
+
+    step: int
+    path: str
+    report: BenchmarkReport
+
+
+def selected_value(report: BenchmarkReport, select: Select) -> float | None:
+    """The report's value of `select`; None when it has none (no problem scored, or none with k scoreable samples)."""
+    if select == "avg@k":
+        return report.avg_at_k if report.unscored_problems < report.problems else None
+    return report.pass_at.get(report.samples_per_problem)
+
+
+def best_snapshot(scores: Sequence[SnapshotScore], select: Select) -> SnapshotScore | None:
+    """The snapshot with the highest `select`; a tie goes to the earliest step (the fewest updates for the same
+    score). None when no snapshot has a value."""
+    valued = [s for s in scores if selected_value(s.report, select) is not None]
+    return max(valued, key=lambda s: (selected_value(s.report, select), -s.step), default=None)
+
+
+def write_snapshot_reports(
+    scores: Sequence[SnapshotScore], select: Select, out_dir: str | Path
+) -> SnapshotScore | None:
+    """snapshots.json and snapshots.md (one row per snapshot, by step, the best named) and snapshots.png (avg@k and
+    pass@k against the step, the best marked); returns the best (best_snapshot)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    scores = sorted(scores, key=lambda s: s.step)
+    best = best_snapshot(scores, select)
+    name = scores[0].report.name if scores else ""
+    named = best and {"step": best.step, "path": best.path, select: selected_value(best.report, select)}
+    record = {
+        "set": name,
+        "select": select,
+        "best": named,
+        "snapshots": [
+            {"step": s.step, "path": s.path, select: selected_value(s.report, select), **_summary(s.report)}
+            for s in scores
+        ],
+    }
+    (out / "snapshots.json").write_text(json.dumps(record, indent=2, ensure_ascii=False), encoding="utf-8")
+    verdict = "no snapshot has a value" if best is None else f"the best is step {best.step} ({best.path})"
+    lines = [
+        f"Every snapshot on {name}, best by {select}: {verdict}. avg@k and pass@k in percent; samples that ended in a "
+        "sandbox error are not scored.",
+        "",
+        "| step | snapshot | problems | k | avg@k | pass@1 | pass@k | sandbox errors | best |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for s in scores:
+        r, k = s.report, s.report.samples_per_problem
+        lines.append(
+            f"| {s.step} | {s.path} | {r.problems} | {k} | {_percent(selected_value(r, 'avg@k'))} | "
+            f"{_percent(r.pass_at.get(1))} | {_percent(r.pass_at.get(k))} | {r.sandbox_errors} | "
+            f"{'best' if s is best else ''} |"
+        )
+    (out / "snapshots.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _plot_snapshots(scores, select, best, out / "snapshots.png")
+    return best
+
+
+def _plot_snapshots(scores: Sequence[SnapshotScore], select: Select, best: SnapshotScore | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    steps = [s.step for s in scores]
+    k_above_1 = any(s.report.samples_per_problem > 1 for s in scores)  # pass@1 is avg@k
+    for metric in ("avg@k", "pass@k") if k_above_1 else ("avg@k",):
+        values = [selected_value(s.report, metric) for s in scores]
+        points = [(step, 100 * v) for step, v in zip(steps, values, strict=True) if v is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=metric, linewidth=2.2 if metric == select else 1.0)
+    if best is not None:
+        value = 100 * selected_value(best.report, select)
+        ax.plot(
+            [best.step], [value], marker="*", markersize=16, color="black", linestyle="none", label=f"best by {select}"
+        )
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("training step")
+    ax.set_ylabel("accuracy on the validation set (%)")
+    ax.set_title(f"every snapshot on {scores[0].report.name}" if scores else "no snapshots")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

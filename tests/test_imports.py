@@ -16,7 +16,7 @@ MATH_MODULES = ["stare.py", "theory.py", "loss.py"]
 MATH_ALLOWED = {"torch", "math", "typing", "dataclasses", "fractions", "collections", "__future__"}
 SHARED_MODULES = [
     "stare.py", "theory.py", "loss.py", "protocol.py", "agent.py", "reward.py", "data.py", "config.py", "runtime.py",
-    "batching.py", "step.py",
+    "batching.py", "step.py", "snapshots.py",
 ]  # fmt: skip
 FRAMEWORKS = {"openrlhf", "vllm", "ray", "deepspeed", "flash_attn"}
 

@@ -459,6 +459,12 @@ def test_resume_auto_restores_the_stare_controller_and_the_engine_weights(traine
     first = torch.load(engine / "sync1.pt")
     name = "model.embed_tokens.weight"
     assert torch.equal(first["after"][: after_two[name].shape[0]].to(after_two[name].dtype), after_two[name])
+    # The GPU check's stage 2 is this pair of runs (a save at step 2, then resume=auto for step 3): its verdict
+    # tells the two runs apart by their event files and finds each step once, the third in the resumed run only.
+    failures, lines = gpu_check().check_openrlhf(
+        trained.run_dir, result.returncode, STEPS + 1, first_exit_code=0, resumed_from=STEPS
+    )
+    assert failures == [], lines
 
 
 @pytest.mark.slow

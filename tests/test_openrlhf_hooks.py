@@ -18,6 +18,7 @@ import functools
 import inspect
 import math
 import socket
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -790,6 +791,9 @@ def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
     monkeypatch.setattr(strategy_module, "torch_dist_barrier_and_cuda_sync", barrier_only)
     monkeypatch.setattr(actor_module, "torch_dist_barrier_and_cuda_sync", barrier_only)
 
+    from stare_agent.backends.openrlhf import resume
+
+    tmp_path = tmp_path / "checkpoints"  # ckpt.path, as the launcher sets it: <run folder>/checkpoints
     rank, args = deepspeed_rank(hooks, tmp_path)
     saved = control(StareConfig(w_mode="adaptive"))
     saved.stare.load_state_dict({"w": 1.37, "m": 0.61, "w_star": 2.5, "last_gate": 1.0, "step": 12})
@@ -799,6 +803,13 @@ def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
     trainer.save_logs_and_checkpoints(12, {"stare/gate": 1.0}, client_states)
     assert client_states[hooks.CHECKPOINT_KEY] == saved.state_dict()  # in place, for save_best_checkpoint too
     assert os.path.isdir(tmp_path / "_actor" / "global_step12")
+    assert (tmp_path / "_actor" / "global_step12" / resume.COMPLETE).is_file()  # marked once every rank saved
+
+    # The next save was cut short by a full disk: half its shards written, DeepSpeed's `latest` emptied.
+    (tmp_path / "_actor" / "global_step13").mkdir()
+    (tmp_path / "_actor" / "global_step13" / "mp_rank_00_model_states.pt").write_bytes(b"half")
+    (tmp_path / "_actor" / "latest").write_text("")
+    assert resume.prepare(tmp_path.parent).name == "global_step12"  # before the rerun starts Ray
 
     loader, _ = deepspeed_rank(hooks, tmp_path)
     _, loader.checkpoint_states = loader.strategy.load_ckpt(loader.actor.model, str(tmp_path / "_actor"))
@@ -814,6 +825,73 @@ def test_without_a_checkpoint_the_controller_starts_fresh(hooks, local_ray, tmp_
     ctl = control(StareConfig())
     states = make_trainer(hooks, LocalGroup(None), ctl, args).init_checkpoint_states()
     assert states["global_step"] == 0 and ctl.step == 0 and ctl.stare.w == 1.1
+
+
+def test_openrlhf_saves_keep_the_last_n_and_the_pinned_hugging_face_snapshots(hooks, local_ray, tmp_path, monkeypatch):
+    """Our save_logs_and_checkpoints -> OpenRLHF's -> its PolicyModelActor.save_checkpoint with ckpt.save_hf (as
+    launch.py sets it) at steps 1..5, keep_snapshots 2, step 2 pinned: exactly global_step{2,4,5}_hf remain. Stand-ins
+    for what needs GPUs: the strategy's save_ckpt (DeepSpeed) writes the tag folder and `latest` as DeepSpeed does
+    (its own rotation, ckpt.max_num, is OpenRLHF's and not ours), save_model (a ZeRO-3 gather) writes a config.json,
+    and the CUDA sync is a no-op."""
+    import openrlhf.trainer.ray.ppo_actor as actor_module
+
+    monkeypatch.setattr(actor_module, "torch_dist_barrier_and_cuda_sync", lambda: None)
+
+    def save_ckpt(model, save_dir, tag, max_num, max_mem, client_states, metric_value=None, metric_key=None):
+        (tmp_path / "checkpoints" / "_actor" / tag).mkdir(parents=True)
+        (tmp_path / "checkpoints" / "_actor" / "latest").write_text(tag)
+
+    def save_model(model, tokenizer, output_dir):
+        Path(output_dir).mkdir(parents=True)
+        (Path(output_dir) / "config.json").write_text("{}")
+
+    args = openrlhf_args()
+    args.ckpt.path = str(tmp_path / "checkpoints")
+    args.train.enable_ema = False
+    rank = object.__new__(hooks.StarePolicyModelActor)
+    rank.strategy = NS(args=args, save_ckpt=save_ckpt, save_model=save_model)
+    rank.actor, rank.tokenizer, rank.disable_ds_ckpt, rank.save_hf_ckpt = NS(model="engine"), None, False, True
+    trainer = make_trainer(hooks, LocalGroup(rank), control(), args)
+    trainer.run_config = RLConfig(steps=5, save_every=1, keep_snapshots=2, pin_snapshots=[2])
+    for step in range(1, 6):
+        trainer.save_logs_and_checkpoints(step, {}, {"global_step": step})
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name != "_actor") == [
+        "global_step2_hf", "global_step4_hf", "global_step5_hf",
+    ]  # fmt: skip
+    assert len(list((checkpoints / "_actor").iterdir())) == 6  # DeepSpeed's tags and `latest`: not ours to rotate
+
+
+def test_an_actor_folder_without_a_loadable_checkpoint_starts_the_run_at_step_0(hooks, local_ray, tmp_path):
+    """OpenRLHF reads `_actor/` existing as a checkpoint to load; when DeepSpeed found none in it (the first save
+    was cut short) its ranks return an empty state and OpenRLHF's fit fails with KeyError 'episode'."""
+    args = openrlhf_args()
+    args.ckpt.path, args.ckpt.load_enable = str(tmp_path), True
+    (tmp_path / "_actor" / "global_step1").mkdir(parents=True)
+    rank = object.__new__(hooks.StarePolicyModelActor)
+    rank.checkpoint_states = {}  # what init_model_from_pretrained keeps when DeepSpeed's load found nothing
+    ctl = control(StareConfig())
+    states = make_trainer(hooks, LocalGroup(rank), ctl, args).init_checkpoint_states()
+    assert states["global_step"] == 0 and states["episode"] == 0 and ctl.step == 0
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(hooks, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder = tmp_path / "tb" / "rl"
+    crashed = SummaryWriter(log_dir=str(folder))
+    for step in (1, 2, 3):  # the checkpoint was at step 1; steps 2 and 3 are trained again
+        crashed.add_scalar("train/loss", 10.0 + step, step)
+    crashed.flush()
+    continued = hooks.continued_writer(crashed, 1)
+    for step in (2, 3, 4):
+        continued.add_scalar("train/loss", 20.0 + step, step)
+    continued.close()
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    got = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert got == [(1, 11.0), (2, 22.0), (3, 23.0), (4, 24.0)]
 
 
 # --- pinned OpenRLHF names and install() ---------------------------------------------------------------------------

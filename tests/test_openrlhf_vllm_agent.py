@@ -47,7 +47,9 @@ def make_config(url: str, max_turn_tokens: int = 64, **agent) -> RLConfig:
     agent = {"system_prompt": None, "retry_backoff_s": 0.01, "max_total_tokens": 512, "sandbox_retries": 1, **agent}
     return RLConfig(
         agent=AgentConfig(**agent),
-        rollout=RolloutConfig(max_turn_tokens=max_turn_tokens),
+        # the step these tests run at most (2 prompts x 2 samples): the executor checks it against the service's
+        # capacity at start, and the default step (16 x 8) is more than the service's default 64 kernels hold
+        rollout=RolloutConfig(prompts_per_step=2, group_size=2, max_turn_tokens=max_turn_tokens),
         sandbox=SandboxConfig(url=url),
     )
 

@@ -178,6 +178,8 @@ class Metrics:
                 "kernels_alive": "Kernel processes alive",
                 "running": "Calls running",
                 "waiting": "Calls waiting for a slot",
+                "capacity_sessions": "Most stateful sessions open at once (max_sessions)",
+                "capacity_kernels": "Most kernels alive at once, sessions' and the pool's (max_kernels)",
             }.items()
         }
         self.registry.register(self)  # collect() below
@@ -227,6 +229,9 @@ def create_app(settings: ServerSettings) -> FastAPI:
     sessions = SessionStore(pool, settings.max_sessions, settings.session_idle_s)
     admission = Admission(settings.max_running, settings.max_waiting)
     metrics = Metrics(pool)
+    # What the server holds at once, for a trainer to check a step against before it starts (each stateful episode
+    # holds a session, and a session a kernel): the same numbers on /healthz and /metrics.
+    capacity = {"sessions": settings.max_sessions, "kernels": settings.pool.max_kernels}
 
     async def expire_loop() -> None:
         while True:
@@ -364,6 +369,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             "token_accepted": token_accepted(request),
             "isolation": pool.isolation.as_dict() if pool.isolation else None,
             "caps": pool.caps(),
+            "capacity": capacity,
             "sessions": len(sessions),
             "pool_ready": pool.ready_count,
             "kernels_alive": pool.alive_count,
@@ -394,6 +400,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
             "kernels_alive": pool.alive_count,
             "running": admission.running,
             "waiting": admission.waiting,
+            **{f"capacity_{name}": value for name, value in capacity.items()},
         }
         for name, value in values.items():
             metrics.gauges[name].set(value)

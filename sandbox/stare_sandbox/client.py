@@ -251,7 +251,8 @@ class _Common:
         return body
 
     def _summary(self, answers: list[dict | None]) -> dict[str, Any]:
-        """One server: its /healthz body. Several: sums over those that answered, plus `servers`, one entry each."""
+        """One server: its /healthz body. Several: sums over those that answered (`capacity` too: the sessions and
+        the kernels they hold at once between them), plus `servers`, one entry each."""
         if len(self.urls) == 1:
             return answers[0]
         servers = [
@@ -266,6 +267,10 @@ class _Common:
             "token_accepted": all(body.get("token_accepted") is not False for body in answered),
             "isolation": isolations[0] if all(i == isolations[0] for i in isolations) else "mixed: see servers",
             **{key: sum(body.get(key) or 0 for body in answered) for key in summed},
+            "capacity": {
+                key: sum((body.get("capacity") or {}).get(key) or 0 for body in answered)
+                for key in ("sessions", "kernels")
+            },
             "servers": servers,
         }
 

@@ -182,12 +182,16 @@ class Isolation:
     uid_base: int = 0
     """First uid of the kernel uid range the pool holds alone on this host (stare_sandbox.ownership); its kernels'
     cgroups are grouped by it too. 0 = no range held (the isolation as probed, before a pool claims one)."""
+    user_namespace: bool = False
+    """A server that is not root: each kernel in its own user namespace, as the server's uid with no capabilities
+    (its other fences as with root); RLIMIT_NPROC then counts the kernel's own processes only."""
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
 
 _NAMESPACES = Isolation("namespaces", True, True, True, True, True, True, True)
+_USER_NAMESPACE = Isolation("namespaces", True, True, True, False, True, True, True, user_namespace=True)
 _PROCESS = Isolation("process", False, False, False, False, True, True, True)
 
 
@@ -204,7 +208,7 @@ def detect_isolation(requested: IsolationMode = "auto", cgroups: bool = True) ->
         return dataclasses.replace(_PROCESS, cgroup=cgroup)
     problem = _namespace_problem()
     if problem is None:
-        return dataclasses.replace(_NAMESPACES, cgroup=cgroup)
+        return dataclasses.replace(_NAMESPACES if os.geteuid() == 0 else _USER_NAMESPACE, cgroup=cgroup)
     if requested == "namespaces":
         raise RuntimeError(f"isolation='namespaces' does not work here: {problem}. Use isolation='process' or 'auto'.")
     return dataclasses.replace(_PROCESS, cgroup=cgroup)
@@ -215,13 +219,13 @@ def _namespace_problem() -> str | None:
     """None if the namespace launcher works here, else what is wrong. Runs the real launcher path once."""
     if not sys.platform.startswith("linux"):
         return f"Linux namespaces need Linux; this is {sys.platform}"
-    if os.geteuid() != 0:
-        return f"creating namespaces and switching to kernel uids needs root; the server runs as uid {os.geteuid()}"
     if shutil.which("unshare") is None:
         return "the util-linux program `unshare` is not on PATH"
-    scratch = make_scratch(Path(tempfile.gettempdir()), _PROBE_UID)
+    root = os.geteuid() == 0
+    uid = _PROBE_UID if root else None  # not root: a user namespace instead of a kernel uid
+    scratch = make_scratch(Path(tempfile.gettempdir()), uid)
     try:
-        argv = _launcher_argv(True, Limits(), _PROBE_UID, sys.executable, probe=True)
+        argv = _launcher_argv(True, Limits(), uid, sys.executable, probe=True)
         argv = [str(scratch / "probe.json") if a == "{connection_file}" else a for a in argv]
         try:
             env = kernel_env(scratch)
@@ -229,7 +233,11 @@ def _namespace_problem() -> str | None:
         except subprocess.TimeoutExpired:
             return f"the probe `{' '.join(argv)}` did not finish in {_PROBE_TIMEOUT_S} s"
         if done.returncode != 0:
-            return f"the probe `{' '.join(argv)}` exited with status {done.returncode}: {done.stderr.strip()[-800:]}"
+            why = f"the probe `{' '.join(argv)}` exited with status {done.returncode}: {done.stderr.strip()[-800:]}"
+            if not root:
+                why = (f"the server runs as uid {os.geteuid()}, not root, and this host does not let it make a user "
+                       f"namespace ({_user_namespace_settings()}); {why}")  # fmt: skip
+            return why
         try:
             report = json.loads(done.stdout.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
@@ -251,14 +259,17 @@ def kernel_argv(
 
     With `template_warmup` (base64 warm-up code, stare_sandbox.template.encode_warmup) the kernel runs user code in
     workers forked from a clean template (pool.clean_state: fork); without, it is plain ipykernel.
-    With namespaces the kernel runs as `uid` (UID_BASE + slot, required); in process mode `uid` is
-    ignored and the kernel runs as the server's uid. With `isolation.cgroup` and a uid range held
+    With namespaces the kernel runs as `uid` (UID_BASE + slot, required), or, with `isolation.user_namespace` (a
+    server that is not root), in its own user namespace as the server's uid without capabilities (`uid` ignored); in
+    process mode `uid` is ignored and the kernel runs as the server's uid. With `isolation.cgroup` and a uid range held
     (`isolation.uid_base`, set by the pool) the launcher puts the kernel in its own cgroup (`KernelCgroup`).
     The argv is for a kernel this process starts: the kernel dies when the thread that starts it ends (see
     the module docstring).
     """
     namespaces = isolation.mode == "namespaces"
-    if namespaces and (uid is None or isinstance(uid, bool) or not isinstance(uid, int) or uid <= 0):
+    if isolation.user_namespace:
+        uid = None
+    elif namespaces and (uid is None or isinstance(uid, bool) or not isinstance(uid, int) or uid <= 0):
         raise ValueError(
             "namespace isolation needs a kernel uid > 0 (UID_BASE + slot): as root inside its namespaces a "
             f"kernel could remount the file system writable; got {uid!r}"
@@ -301,7 +312,24 @@ def _launcher_argv(
     # SIGKILLs it if unshare dies, which takes every process of the namespace along.
     unshare = shutil.which("unshare") or "unshare"
     ns = [unshare, "--net", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc", "--mount", "--"]
+    if uid is None:
+        # Not root: a user namespace in which the server's uid is root, so that the launcher can make the mounts;
+        # it then drops every capability for good (--drop-capabilities) before any user code runs.
+        ns = [unshare, "--user", "--map-root-user", *ns[1:]]
+        return [*die_with_owner, *ns, *launch, "--drop-capabilities", "--readonly-root", "--", "{connection_file}"]
     return [*die_with_owner, *ns, *launch, f"--uid={uid}", "--readonly-root", "--", "{connection_file}"]
+
+
+def _user_namespace_settings() -> str:
+    """The host settings that allow or forbid unprivileged user namespaces, as found, for an error message."""
+    found = []
+    for name in ("user/max_user_namespaces", "kernel/unprivileged_userns_clone",
+                 "kernel/apparmor_restrict_unprivileged_userns"):  # fmt: skip
+        try:
+            found.append(f"{name.replace('/', '.')}={Path('/proc/sys', name).read_text().strip()}")
+        except OSError:
+            pass
+    return ", ".join(found) or "no sysctl found"
 
 
 # Runs its argv after the pid with the parent-death signal SIGKILL. If the parent died before prctl, no signal

@@ -61,6 +61,8 @@ MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
 MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 14, 1 << 18, 1 << 21, 1 << 24
 CLONE_NEWNS = 0x00020000
 PR_SET_PDEATHSIG, PR_GET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 2, 38
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522  # <linux/capability.h>
 _KEPT_FLAGS = {
     "nosuid": MS_NOSUID,
     "nodev": MS_NODEV,
@@ -90,12 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cgroup_group is not None:  # first: also what the remount below would make read-only
         _step("put the kernel in its own cgroup", _join_cgroup, scratch, args.cgroup_group, args.cgroup_memory_mb)
     if args.readonly_root:
-        _step("make the file system read-only", _readonly_root, scratch, args.file_size_mb)
+        hide = args.drop_capabilities  # other kernels run as the same uid: their dirs would be readable
+        _step("make the file system read-only", _readonly_root, scratch, args.file_size_mb, hide)
     if args.uid is not None:
         for path in (scratch, connection_file):
             if path.exists():
                 _step(f"chown {path} to {args.uid}", os.chown, path, args.uid, args.uid)
     _step("set rlimits", _set_rlimits, args)
+    if args.drop_capabilities:
+        _step("drop every capability", _drop_capabilities)
     if args.uid is not None:
         _step(f"switch to uid {args.uid}", _drop_privileges, args.uid)
     os.chdir(scratch)
@@ -172,6 +177,12 @@ def _parser() -> argparse.ArgumentParser:
         "--template-warmup",
         help="run the kernel as stare_sandbox.template with this warm-up code (encode_warmup): user code in workers",
     )
+    parser.add_argument(
+        "--drop-capabilities",
+        action="store_true",
+        help="in a user namespace (a server that is not root): drop every capability for good before the kernel "
+        "starts, and hide the other kernels' scratch dirs (same uid) under an empty tmpfs",
+    )
     parser.add_argument("--probe", action="store_true", help="set everything up, print a JSON report, exit 0")
     parser.add_argument("connection_file", help="the kernel's connection file, inside its scratch dir")
     return parser
@@ -193,6 +204,7 @@ def _libc() -> ctypes.CDLL:
     libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
     libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     libc.unshare.argtypes = [ctypes.c_int]
+    libc.capset.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return libc
 
 
@@ -207,12 +219,14 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     _check(_libc().mount(enc[0], enc[1], enc[2], flags, enc[3]), f"mount {target}")
 
 
-def _readonly_root(scratch: Path, shm_mb: int) -> None:
+def _readonly_root(scratch: Path, shm_mb: int, hide_siblings: bool = False) -> None:
     # A mount namespace of our own even if unshare(1) already made one: these mounts must never reach
     # the host's mount table, whoever started this.
     _check(_libc().unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _expose([*_interpreter_paths(), str(scratch)])  # first: its tmpfs would cover the scratch bind mount
+    if hide_siblings:
+        _cover_all_but(scratch)
     _mount(str(scratch), str(scratch), None, MS_BIND)
     keep = [str(scratch), "/proc"]
     if not _under(str(scratch), "/dev/shm"):
@@ -226,6 +240,15 @@ def _readonly_root(scratch: Path, shm_mb: int) -> None:
         for name in options:
             flags |= _KEPT_FLAGS.get(name, 0)
         _mount(None, mount_point, None, flags)
+
+
+def _cover_all_but(scratch: Path) -> None:
+    """An empty tmpfs over the scratch root, with only this kernel's scratch dir bound back into it."""
+    fd = os.open(scratch, os.O_PATH)
+    _mount("tmpfs", str(scratch.parent), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+    os.mkdir(scratch)
+    _mount(f"/proc/self/fd/{fd}", str(scratch), None, MS_BIND | MS_REC)
+    os.close(fd)
 
 
 def _mounts() -> list[tuple[str, set[str]]]:
@@ -301,6 +324,28 @@ def _set_rlimits(args: argparse.Namespace) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
+def _drop_capabilities() -> None:
+    """No capability left, now or after any exec: the bounding and ambient sets emptied, then the effective,
+    permitted and inheritable ones (capset), and no-new-privileges. Root in a user namespace keeps its uid (the only
+    one mapped), so this is what stops the kernel from remounting the file system writable or making namespaces."""
+    libc = _libc()
+    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    for cap in range(last + 1):
+        _check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"prctl(PR_CAPBSET_DROP, {cap})")
+    _check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "prctl(PR_CAP_AMBIENT_CLEAR_ALL)")
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # two 32-bit halves of effective, permitted, inheritable: all 0
+    _check(libc.capset(header, data), "capset(0)")
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def _no_capabilities() -> bool:
+    """Every capability set of this process is empty (/proc/self/status)."""
+    with open("/proc/self/status") as status:
+        sets = dict(line.split(":", 1) for line in status if line.startswith("Cap"))
+    return all(int(value, 16) == 0 for value in sets.values())
+
+
 def _drop_privileges(uid: int) -> None:
     parent_death = ctypes.c_int(0)
     _check(_libc().prctl(PR_GET_PDEATHSIG, ctypes.addressof(parent_death), 0, 0, 0), "prctl(PR_GET_PDEATHSIG)")
@@ -325,7 +370,11 @@ def _probe_report(args: argparse.Namespace, scratch: Path) -> dict[str, bool]:
         "pid_namespace": os.getpid() == 1,
         "network": _network_is_off(),
         "readonly_root": args.readonly_root and _all_readonly(scratch),
-        "unprivileged_user": args.uid is not None and os.getuid() == args.uid and os.geteuid() == args.uid,
+        "unprivileged_user": (
+            _no_capabilities()
+            if args.drop_capabilities
+            else args.uid is not None and os.getuid() == args.uid and os.geteuid() == args.uid
+        ),  # fmt: skip
         "rlimits": all(resource.getrlimit(r) == (getattr(args, f) * u,) * 2 for f, (r, u) in _RLIMITS.items()),
         "scratch_writable": _can_write(scratch / "probe-write"),
         "outside_readonly": not _can_write(Path("/tmp") / f"sandbox-probe-{os.getpid()}-{args.uid}"),

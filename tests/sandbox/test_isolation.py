@@ -218,15 +218,19 @@ def test_detect_isolation_rejects_unknown_mode():
         detect_isolation("docker")
 
 
-def test_namespaces_need_root(monkeypatch):
-    from stare_sandbox.isolation import _namespace_problem
+def test_a_server_that_is_not_root_gets_namespaces_through_a_user_namespace(monkeypatch):
+    """Not root: no kernel uids to switch to, so each kernel gets a user namespace of its own, in which the launcher
+    makes the same mounts and then drops every capability (tests/sandbox/test_non_root.py runs it as another uid)."""
+    from stare_sandbox.isolation import Limits, _namespace_problem, kernel_argv
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     _namespace_problem.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match="isolation='namespaces' does not work here: .*needs root"):
-            detect_isolation("namespaces")
-        assert detect_isolation("auto").mode == "process"
+        found = detect_isolation("auto")
+        assert found.mode == "namespaces" and found.user_namespace and not found.unprivileged_user
+        argv = kernel_argv(found, Limits(), uid=61005)
+        assert "--user" in argv and "--map-root-user" in argv and "--drop-capabilities" in argv
+        assert not any(a.startswith("--uid") for a in argv)  # the only uid mapped is the server's
     finally:
         _namespace_problem.cache_clear()
 
@@ -251,6 +255,7 @@ def test_process_isolation_reports_only_what_it_enforces():
         "scratch_dir": True,
         "cgroup": usable_cgroups().version if usable_cgroups() is not None else "",
         "uid_base": 0,  # a pool sets its range's
+        "user_namespace": False,
     }
 
 

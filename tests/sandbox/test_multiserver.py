@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from stare_sandbox.app import ServerSettings
 from stare_sandbox.client import AsyncSandboxClient, SandboxClient, SandboxUnavailable, SessionNotFound, check_urls
 from stare_sandbox.schemas import RunResult
 
@@ -139,6 +140,19 @@ def test_sessions_stick_to_the_server_that_made_them(servers: list[Server]):
         for sid in sessions:
             client.close_session(sid)
         assert [health(url)["sessions"] for url in urls(servers)] == [0, 0, 0]
+
+
+def test_the_summary_sums_the_capacity_of_the_servers_that_answered(servers: list[Server]):
+    """Each server's /healthz capacity (the default max_sessions, 6 kernels here) is summed over those that answer;
+    one that does not answer adds nothing and is listed as down."""
+    sessions = ServerSettings().max_sessions
+    dead = f"http://127.0.0.1:{free_port()}"
+    with SandboxClient([*urls(servers[:2]), dead], retries=0) as client:
+        summary = client.health()
+    assert summary["status"] == "degraded"
+    each = {"sessions": sessions, "kernels": 6}
+    assert [entry.get("capacity") for entry in summary["servers"]] == [each, each, None]
+    assert summary["capacity"] == {"sessions": 2 * sessions, "kernels": 12}
 
 
 def test_stateless_calls_are_spread_over_the_servers(servers: list[Server]):

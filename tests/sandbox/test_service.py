@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from stare_sandbox.app import ServerSettings, open_files_needed
 from stare_sandbox.client import AsyncSandboxClient, SandboxClient, SandboxUnavailable, SessionNotFound
@@ -316,6 +317,24 @@ def test_openapi_describes_the_contract(server: Server):
 def test_metrics_endpoint(server: Server):
     text = httpx.get(f"{server.url}/metrics").text
     assert "sandbox_runs_total" in text and "sandbox_pool_ready" in text
+
+
+def test_healthz_and_metrics_report_the_configured_capacity():
+    """What a trainer checks its step against at start: the most sessions and kernels the server holds at once."""
+    srv = Server("--pool-size", "0", "--max-sessions", "5", "--max-kernels", "7", "--isolation", "process").start()
+    try:
+        health = httpx.get(f"{srv.url}/healthz", timeout=10).json()
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    finally:
+        srv.stop()
+    assert health["capacity"] == {"sessions": 5, "kernels": 7}
+    gauges = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("sandbox_capacity_")
+    }
+    assert gauges == {"sandbox_capacity_sessions": 5.0, "sandbox_capacity_kernels": 7.0}
 
 
 def test_token_required_off_loopback_and_checked():

@@ -1,19 +1,23 @@
-"""`stare-agent eval`: tool-integrated evaluation of a local model on benchmarks and user files."""
+"""`stare-agent eval`: tool-integrated evaluation of a local model on benchmarks and user files, or of every snapshot
+of a training run on a validation file."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from stare_agent import snapshots
 from stare_agent.backends.local.common import load_model, seed_everything
 from stare_agent.backends.local.generation import HFGenerator
 from stare_agent.backends.local.vllm_generation import VLLMGenerator
 from stare_agent.backends.local.vllm_generation import available as vllm_available
 from stare_agent.config import ConfigError, EvalConfig, run_path, save_config
 from stare_agent.data import Problem, load_benchmark, load_problems
-from stare_agent.eval import BenchmarkReport, evaluate, write_reports
-from stare_agent.runtime import make_client
+from stare_agent.eval import BenchmarkReport, SnapshotScore, evaluate, write_reports, write_snapshot_reports
+from stare_agent.runtime import make_client, start_client
 
 
 def problem_sets(config: EvalConfig) -> dict[str, list[Problem]]:
@@ -64,33 +68,22 @@ def make_generator(config: EvalConfig) -> tuple[Any, Any]:
 
 
 def run(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport]:
-    """Evaluate; writes results.json, results.md, per-set JSON and sample transcripts into the run directory."""
+    """Evaluate model.path (with `snapshots`: every snapshot of that run, run_snapshots); writes results.json,
+    results.md, per-set JSON and sample transcripts into the run directory."""
+    if config.snapshots:
+        return run_snapshots(config, run_dir)
     run_dir = run_dir or run_path(config.run, "eval")  # made once the sets, the model and the sandbox check out
     seed_everything(config.run.seed)
     sets = problem_sets(config)
     generator, tokenizer = make_generator(config)
 
     async def all_sets() -> list[BenchmarkReport]:
-        client = make_client(config.sandbox, config.batch_size if config.agent.tool_mode == "stateful" else 0)
+        episodes = config.batch_size if config.agent.tool_mode == "stateful" else 0  # run together, a session each
+        client = make_client(config.sandbox, episodes)
         try:
-            await client.start()
+            await start_client(client, config.sandbox, episodes, "batch_size")
             save_config(config, run_dir)
-            return [
-                await evaluate(
-                    problems,
-                    name=name,
-                    k=config.k_per_benchmark.get(name, config.k),
-                    tokenizer=tokenizer,
-                    generate_batch=generator,
-                    client=client,
-                    agent_config=config.agent,
-                    batch_size=config.batch_size,
-                    transcripts=config.transcripts,
-                    out_dir=run_dir,
-                    progress=True,
-                )
-                for name, problems in sets.items()
-            ]
+            return await evaluate_sets(config, sets, generator, tokenizer, client, run_dir)
         finally:
             await client.close()
 
@@ -99,3 +92,77 @@ def run(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport
     print((run_dir / "results.md").read_text())
     print(f"eval: results in {run_dir}")
     return reports
+
+
+async def evaluate_sets(
+    config: EvalConfig, sets: dict[str, list[Problem]], generator: Any, tokenizer: Any, client: Any, out_dir: Path
+) -> list[BenchmarkReport]:
+    """Every set through `evaluate` with one model, each with its k (k_per_benchmark, else k); reports in set order."""
+    return [
+        await evaluate(
+            problems,
+            name=name,
+            k=config.k_per_benchmark.get(name, config.k),
+            tokenizer=tokenizer,
+            generate_batch=generator,
+            client=client,
+            agent_config=config.agent,
+            batch_size=config.batch_size,
+            transcripts=config.transcripts,
+            out_dir=out_dir,
+            progress=True,
+        )
+        for name, problems in sets.items()
+    ]
+
+
+def run_snapshots(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport]:
+    """`snapshots=RUN`: every Hugging Face snapshot of a training run on the one validation file, each written to
+    <run_dir>/<snapshot folder name>/ as a single evaluation writes its run directory, then snapshots.md,
+    snapshots.json and snapshots.png over all of them, naming the best by `select`. Returns the best's report.
+
+    Every snapshot is sampled with the same seed, so the comparison between them is paired. One model (or vLLM
+    engine) is in memory at a time.
+    """
+    found = snapshots.find(config.snapshots)
+    usable = [(step, path) for step, path in found if (path / "config.json").exists()]
+    for step, path in found:
+        if (step, path) not in usable:
+            print(f"eval: {path} left out: no config.json (a snapshot still being written, or an incomplete one)")
+    if not usable:
+        what = "no Hugging Face snapshot in it" if Path(config.snapshots).is_dir() else "no such folder"
+        raise ConfigError(
+            f"snapshots={config.snapshots!r}: {what}; give a training run's folder (snapshots are the local backend's "
+            "checkpoints/step-NNNNNN/ and openrlhf's checkpoints/global_stepN_hf/)"
+        )
+    run_dir = run_dir or run_path(config.run, "eval")  # made once the set, the snapshots and the sandbox check out
+    sets = problem_sets(config)
+    steps = ", ".join(str(step) for step, _ in usable)
+    print(f"eval: {len(usable)} snapshots of {config.snapshots} (steps {steps}) on {config.files[0]}")
+
+    async def every_snapshot() -> list[SnapshotScore]:
+        episodes = config.batch_size if config.agent.tool_mode == "stateful" else 0  # run together, a session each
+        client = make_client(config.sandbox, episodes)
+        try:
+            await start_client(client, config.sandbox, episodes, "batch_size")
+            save_config(config, run_dir)
+            scores = []
+            for step, path in usable:
+                print(f"eval: snapshot of step {step} ({path})")
+                one = replace(config, model=replace(config.model, path=str(path)), snapshots="")
+                seed_everything(config.run.seed)
+                generator, tokenizer = make_generator(one)
+                reports = await evaluate_sets(one, sets, generator, tokenizer, client, run_dir / path.name)
+                write_reports(reports, run_dir / path.name)
+                scores.append(SnapshotScore(step, str(path), reports[0]))
+                del generator, tokenizer  # before the next snapshot's model is loaded
+                gc.collect()
+            return scores
+        finally:
+            await client.close()
+
+    best = write_snapshot_reports(asyncio.run(every_snapshot()), config.select, run_dir)
+    print((run_dir / "snapshots.md").read_text())
+    named = f"step {best.step} ({best.path})" if best else "none (no snapshot could be scored)"
+    print(f"eval: the best snapshot by {config.select}: {named}; table and plot in {run_dir}")
+    return [] if best is None else [best.report]

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from stare_agent import protocol
+from stare_agent import protocol, snapshots
 from stare_agent.agent import EpisodeResult, run_batch
 from stare_agent.audit import MaskAuditError, audit_trained
 from stare_agent.backends.local.common import (
@@ -67,7 +67,7 @@ from stare_agent.entropy_control import (
     selection_loss_terms,
 )
 from stare_agent.loss import entropy_bonus_loss, group_advantages, logprob_mismatch, policy_loss, ratio_stats
-from stare_agent.runtime import make_client
+from stare_agent.runtime import make_client, start_client
 from stare_agent.step import CLASS_METRICS, MicroBatch, UpdatePart, class_masks, control_step, update_selection
 from stare_agent.theory import sampling_stats, token_entropy, token_logprobs
 
@@ -263,7 +263,10 @@ class Trainer:
             "generator_rng": self.generator.generator.get_state(),
             "rng": rng_state(),
         }
-        return save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
+        saved = save_checkpoint(self.run_dir, self.step, self.model, self.tokenizer, state)
+        # after the save, so `latest` already names the new checkpoint and rotation cannot take the one a resume needs
+        snapshots.rotate(saved.parent, self.config.keep_snapshots, self.config.pin_snapshots)
+        return saved
 
     # --- one step -------------------------------------------------------------------------------------------------
 
@@ -533,10 +536,11 @@ class Trainer:
 
     async def train(self) -> Path:
         cfg = self.config
-        episodes = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-        client = make_client(cfg.sandbox, episodes if cfg.agent.tool_mode == "stateful" else 0)
+        # a step's episodes run at once (rollouts), each holding a session in stateful mode
+        episodes = cfg.rollout.prompts_per_step * cfg.rollout.group_size if cfg.agent.tool_mode == "stateful" else 0
+        client = make_client(cfg.sandbox, episodes)
         try:
-            await client.start()
+            await start_client(client, cfg.sandbox, episodes, "rollout.prompts_per_step x rollout.group_size")
         except BaseException:
             await client.close()
             raise

@@ -15,4 +15,11 @@ from stare_agent.backends.openrlhf.episodes import ReToolExecutor
 
 
 class AgentExecutor(ReToolExecutor, AgentExecutorBase):
-    """ReToolExecutor.execute implements AgentExecutorBase.execute (same keyword names: OpenRLHF calls by keyword)."""
+    """ReToolExecutor.execute implements AgentExecutorBase.execute (same keyword names: OpenRLHF calls by keyword).
+
+    Built when the engine actor starts, before its vLLM engine: it runs one sandbox call there (check_sandbox), so a
+    sandbox that cannot work on this node stops the run at start with one line, not at the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.check_sandbox()

@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "STARE_AGENT_RL_CONFIG"
 """Environment variable holding the run's RLConfig as JSON, for the executor in every vLLM engine actor."""
+STEP_EPISODES = "rollout.prompts_per_step x rollout.group_size"
+"""The keys that set a step's episodes, for the messages that name them."""
 
 # --- config -------------------------------------------------------------------------------------------------------
 
@@ -158,7 +160,8 @@ def to_response(result: EpisodeResult, *, prompt: str, label: Any, images: Any =
 
 
 def concurrent_episodes(config: RLConfig) -> int:
-    """Episodes one engine may run at once, for the in-process sandbox's kernel limit (stateful: a kernel each).
+    """Stateful episodes in flight at once: one engine's in-process kernel limit (a kernel each), and what all
+    engines together put on a sandbox service (a session each; stateless mode holds none: 0).
 
     A step has prompts_per_step x group_size episodes in flight at most (a dropped group is replaced only once it
     has finished), and OpenRLHF's dispatcher balances vLLM requests, not episodes waiting on a tool, so in the
@@ -184,18 +187,31 @@ class ReToolExecutor:
         self._client: Any = None
         self._client_lock = asyncio.Lock()
 
+    def check_sandbox(self) -> None:
+        """Start the run's sandbox and run one call, blocking (runtime.check_sandbox); SandboxBroken or ConfigError,
+        one line, when it cannot serve this engine's episodes."""
+        from stare_agent.runtime import check_sandbox
+
+        check_sandbox(self.config.sandbox, concurrent_episodes(self.config), STEP_EPISODES)
+
     def _default_client(self) -> Any:
         from stare_agent.runtime import make_client
 
         return make_client(self.config.sandbox, concurrent_episodes(self.config))
 
     async def client(self) -> ToolClient:
-        """The executor's sandbox client, started on first use; an unreachable sandbox is an error, not a NaN."""
+        """The executor's sandbox client, started on first use; an unreachable sandbox is an error, not a NaN, and so
+        is a sandbox service that cannot hold a step's episodes (ConfigError, runtime.check_capacity)."""
+        from stare_agent.runtime import start_client
+
         async with self._client_lock:
             if self._client is None:
                 client = self._make_client()
                 try:
-                    await client.start()
+                    # Every engine actor has an executor and a client of its own, to the same servers: the step's
+                    # episodes of all engines share them, so each engine checks the whole step against them, not
+                    # its own share (the same count, and the same answer, in every engine).
+                    await start_client(client, self.config.sandbox, concurrent_episodes(self.config), STEP_EPISODES)
                 except SandboxUnavailable as exc:
                     # Not a per-episode failure: dropping every group would silently consume the prompt set.
                     where = ", ".join(self.config.sandbox.urls) or self.config.sandbox.url or "in-process kernels"

@@ -19,7 +19,8 @@ Where each piece plugs in (the hook facts checked against OpenRLHF's source: doc
   included), so for those methods the loss itself is not touched.
 - `StarePPOTrainer`: builds the `EntropyControl` from our RLConfig ($STARE_AGENT_RL_CONFIG), uses the maker
   above, adds the step's `control/*`, `stare/*` and `theory/*` metrics to `train_step`'s status (logged as
-  `train/stare/...`), and keeps the control's state in the DeepSpeed checkpoint's `client_states`.
+  `train/stare/...`), keeps the control's state in the DeepSpeed checkpoint's `client_states`, and after each save
+  rotates the Hugging Face snapshots (`global_stepN_hf`, which OpenRLHF never deletes) by stare_agent/snapshots.py.
 
 Not supported (refused here, and by the launcher before anything starts): packed samples (`--ds.packing_samples`:
 the logits come back packed and H would need unpadding to the batch; OpenRLHF packs only with flash-attention 2),
@@ -46,9 +47,9 @@ import ray
 import torch
 from torch import Tensor
 
-from stare_agent import protocol
+from stare_agent import protocol, snapshots
 from stare_agent.audit import audit_trained
-from stare_agent.backends.openrlhf import updates, upstream
+from stare_agent.backends.openrlhf import resume, updates, upstream
 from stare_agent.backends.openrlhf.episodes import config_from_env
 from stare_agent.batching import EPISODE_STATS, BatchFill
 from stare_agent.config import RLConfig, RolloutConfig
@@ -474,10 +475,20 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
         client_states = {} if client_states is None else client_states
         client_states[CHECKPOINT_KEY] = self.control.state_dict()
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        if global_step % self.args.ckpt.save_steps == 0:  # OpenRLHF's condition for the save above
+            # OpenRLHF rotates its DeepSpeed checkpoints (ckpt.max_num) but keeps every `global_stepN_hf` snapshot. The
+            # save has finished on every rank (OpenRLHF waits for it), so DeepSpeed's `latest` names the new one.
+            resume.mark_complete(self.args.ckpt.path, global_step)
+            snapshots.rotate(self.args.ckpt.path, self.run_config.keep_snapshots, self.run_config.pin_snapshots)
 
     def init_checkpoint_states(self) -> dict:
         states = super().init_checkpoint_states()
+        if "global_step" not in states:  # `_actor/` exists but DeepSpeed found no checkpoint in it: step 0
+            states = {"episode": 0, "global_step": 0, "total_consumed_prompts": 0, "data_loader_state_dict": {}}
         resumed = CHECKPOINT_KEY in states
+        writer = getattr(getattr(self, "tensorboard_logger", None), "writer", None)
+        if writer is not None:  # each step once: hide what a crashed run logged after the checkpoint
+            self.tensorboard_logger.writer = continued_writer(writer, states["global_step"])
         if resumed:
             self.control.load_state_dict(states[CHECKPOINT_KEY])
         keep_reports_until(
@@ -487,6 +498,16 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
         if hasattr(self, "samples_generator"):
             self.samples_generator.handed = self.steps_trained
         return states
+
+
+def continued_writer(writer: Any, step: int) -> Any:
+    """A TensorBoard writer on `writer`'s folder that hides the events a crashed run logged after `step` (the
+    checkpoint the run continues from); TensorBoard then shows each step once."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder = writer.log_dir
+    writer.close()
+    return SummaryWriter(log_dir=folder, purge_step=step + 1)
 
 
 def class_shares_of(status: dict[str, Any]) -> dict[str, float]:

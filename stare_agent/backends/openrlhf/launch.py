@@ -65,7 +65,8 @@ REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
         "eval.dataset",
         (None,),
         "OpenRLHF's in-training eval would score a sandbox failure as a wrong answer; evaluate the saved "
-        "checkpoints with `stare-agent eval` instead",
+        "checkpoints with `stare-agent eval` instead (snapshots=RUN_DIR files=[VALIDATION_FILE]: every snapshot, "
+        "the best named)",
     ),
 ]
 

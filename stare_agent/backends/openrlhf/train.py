@@ -32,6 +32,7 @@ from pathlib import Path
 from stare_agent.backends.openrlhf import episodes, upstream
 from stare_agent.batching import NoStepTrained, SandboxFailures, end_message
 from stare_agent.config import RLConfig, save_config
+from stare_agent.runtime import SandboxBroken
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,22 @@ def _ray_session(env_vars: dict[str, str]) -> Iterator[bool]:
         ray.shutdown()
 
 
+def _sandbox_broken(exc: BaseException) -> str:
+    """The one line of a SandboxBroken or sandbox ConfigError raised in an engine actor's start, from the Ray error
+    that carries it (its cause, or the creation task's traceback in its message); '' if there is none."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if isinstance(seen, SandboxBroken):
+            return str(seen)
+        seen = getattr(seen, "cause", None) or getattr(seen, "__cause__", None)
+        if seen is None:
+            break
+    for line in str(exc).splitlines():
+        if "SandboxBroken: " in line:
+            return line.split("SandboxBroken: ", 1)[1]
+    return ""
+
+
 @contextlib.contextmanager
 def _argv(words: list[str]) -> Iterator[None]:
     saved = sys.argv
@@ -124,6 +141,9 @@ def run(config: RLConfig, argv: list[str], run_dir: Path) -> None:
                 cause = getattr(exc, "cause", None)  # a RayTaskError carries the actor's exception
                 if isinstance(cause, SandboxFailures):
                     raise SandboxFailures(str(cause)) from None
+                broken = _sandbox_broken(exc)
+                if broken:  # an engine's check at its start (agent_executor.AgentExecutor)
+                    raise SandboxBroken(broken) from None
                 raise
         report = hooks.end_report()
     if report is None:

@@ -27,7 +27,7 @@ from stare_agent.backends.local.rl import TimedClient, Trainer
 from stare_agent.config import RLConfig, load_config
 from stare_agent.entropy_control import EntropyControl, covariance_term
 from stare_agent.lab.experiment import ExperimentConfig, open_folder, prepare, rl_with_changes
-from stare_agent.runtime import make_client
+from stare_agent.runtime import make_client, start_client
 from stare_agent.step import UpdatePart, update_selection
 
 QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.999)
@@ -39,11 +39,11 @@ GATE_ON = 100.0
 def first_batch(rl: RLConfig) -> tuple[Trainer, list]:
     """A trainer of `rl` and the groups of its first rollout batch (nothing trained, nothing written)."""
     trainer = Trainer(rl)
-    episodes = rl.rollout.prompts_per_step * rl.rollout.group_size
-    client = make_client(rl.sandbox, episodes if rl.agent.tool_mode == "stateful" else 0)
+    episodes = rl.rollout.prompts_per_step * rl.rollout.group_size if rl.agent.tool_mode == "stateful" else 0
+    client = make_client(rl.sandbox, episodes)
 
     async def collect() -> list:
-        await client.start()
+        await start_client(client, rl.sandbox, episodes, "rollout.prompts_per_step x rollout.group_size")
         try:
             groups, fill, _ = await trainer.rollouts(TimedClient(client))
         finally:
