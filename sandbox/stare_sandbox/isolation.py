@@ -17,7 +17,15 @@ Always enforced ("process" mode and "namespaces" mode):
   a pool must live in one event loop whose thread outlives it (asyncio.run in the main thread, uvicorn's
   loop, a test client's portal thread); kernels started from a thread that then ends are killed.
 
-Enforced only in "namespaces" mode (root and util-linux `unshare` needed; `detect_isolation` probes):
+Not root: where the host allows unprivileged user namespaces, "namespaces" mode still holds, through a user
+namespace per kernel (`Isolation.user_namespace`): `unshare --user --map-root-user` maps the server's uid to root
+inside, the launcher makes the mounts below, hides the other kernels' scratch dirs (same uid) under an empty
+tmpfs and drops every capability for good before the kernel starts. The kernel then runs as the server's uid
+without capabilities instead of a dedicated uid, and RLIMIT_NPROC counts its own processes only (Linux counts it
+per user namespace), not the thousands of threads the same user runs elsewhere (a Ray job's engines and ranks).
+
+Enforced only in "namespaces" mode (root, or unprivileged user namespaces, and util-linux `unshare` needed;
+`detect_isolation` probes):
 - no network: own network namespace whose only interface, loopback, is down (kernels talk to the
   server over IPC sockets in the scratch dir, which need no network); own IPC namespace;
 - own PID namespace: the kernel cannot see or signal the server, other kernels or any host process;
