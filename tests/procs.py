@@ -81,14 +81,15 @@ def processes_tied_to(path: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def sandbox_service(pool_size: int, *flags: str) -> Iterator[NS]:
-    """`python -m stare_sandbox serve` on a free loopback port, as a node runs it, with more `flags` if any:
-    NS(url, proc); stopped after."""
+def sandbox_service(pool_size: int, *flags: str, port: int = 0) -> Iterator[NS]:
+    """`python -m stare_sandbox serve` on a free loopback port (or `port`), as a node runs it, with more `flags` if
+    any: NS(url, proc); stopped after."""
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if not port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "stare_sandbox", "serve", "--port", str(port), "--pool-size", str(pool_size), *flags],
         cwd=REPO,

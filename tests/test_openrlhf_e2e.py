@@ -176,6 +176,11 @@ def write_run_config(folder: Path, model: Path, steps: int, resume: str = "", **
 def run_cli(config: Path, report: Path, log: Path, env: dict | None = None, timeout_s: float = RUN_TIMEOUT_S) -> NS:
     """`python -m stare_agent.cli rl --config config` with the CPU shim, in its own session; all of it ended after.
     `env` adds to its environment (RAY_ADDRESS: join that cluster instead of starting a local one)."""
+    return finish_cli(start_cli(config, report, log, env), timeout_s)
+
+
+def start_cli(config: Path, report: Path, log: Path, env: dict | None = None) -> NS:
+    """run_cli's command, started: NS(process, log, started); finish_cli waits for it and ends what is left."""
     report.mkdir(parents=True, exist_ok=True)
     extra, env = env or {}, {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env.update(extra)
@@ -187,7 +192,6 @@ def run_cli(config: Path, report: Path, log: Path, env: dict | None = None, time
         VLLM_CPU_KVCACHE_SPACE="1",
         STARE_AGENT_DEBUG="1",  # a failure prints its whole traceback
     )
-    started = time.monotonic()
     with log.open("w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "stare_agent.cli", "rl", "--config", str(config)],
@@ -196,13 +200,17 @@ def run_cli(config: Path, report: Path, log: Path, env: dict | None = None, time
             env=env,
             start_new_session=True,  # Ray's and vLLM's processes join this group: ended below, by its id
         )
-        try:
-            returncode = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        seconds = time.monotonic() - started
-        _end_group(process.pid)
-    output = log.read_text()
+    return NS(process=process, log=log, started=time.monotonic())
+
+
+def finish_cli(run: NS, timeout_s: float = RUN_TIMEOUT_S, grace_s: float = 30.0) -> NS:
+    try:
+        returncode = run.process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        returncode = None
+    seconds = time.monotonic() - run.started
+    _end_group(run.process.pid, grace_s)
+    output = run.log.read_text()
     return NS(returncode=returncode, output=output, seconds=seconds, phases=phases(output, seconds))
 
 
@@ -465,6 +473,82 @@ def test_resume_auto_restores_the_stare_controller_and_the_engine_weights(traine
         trained.run_dir, result.returncode, STEPS + 1, first_exit_code=0, resumed_from=STEPS
     )
     assert failures == [], lines
+
+
+def wait_for(what: str, check, run: NS, timeout_s: float = RUN_TIMEOUT_S, every_s: float = 0.1) -> None:
+    """Poll `check()` until it is true; fail saying `what` if the run ends or the time is up first."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert run.process.poll() is None, f"the run ended before {what}: " + run.log.read_text()[-6000:]
+        assert time.monotonic() < deadline, f"no {what} in {timeout_s} s: " + run.log.read_text()[-6000:]
+        time.sleep(every_s)
+
+
+def service_sessions(url: str) -> int:
+    import httpx
+
+    try:
+        return int(httpx.get(f"{url}/healthz", timeout=1).json()["sessions"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 0
+
+
+@pytest.mark.slow
+@needs_the_stack
+def test_a_sandbox_restart_a_killed_driver_and_a_cut_short_save_lose_nothing(coin_model, tmp_path):
+    """The faults a cluster sees, in one run of 3 steps with the sandbox as a service: the service is killed while
+    step 1's episodes hold sessions and comes back on its port (the run goes on, the failures counted); the driver
+    is SIGKILLed once the step-2 checkpoint is complete, and that save is then made to look cut short (its
+    completion mark gone, a shard truncated, DeepSpeed's `latest` emptied, as a full disk leaves it). The same
+    command again continues from step 1's checkpoint, the last complete one, and trains steps 2 and 3: each step
+    appears once in TensorBoard and the run ends with `steps` full batches and its final model."""
+    from procs import sandbox_service
+
+    steps, run_dir = 3, tmp_path / "runs" / "rl"
+    config_path = write_run_config(tmp_path, coin_model, steps)
+    actor = run_dir / "checkpoints" / "_actor"
+    with sandbox_service(2) as service:
+        config = yaml.safe_load(config_path.read_text())
+        config["sandbox"] = {"url": service.url}
+        del config["resume"]  # as the paper configs: the default, auto, so that a rerun continues the run
+        # the restart drops every group in flight: the step goes on refilling (docs/cluster.md, section 3)
+        config["rollout"].update(max_sandbox_failure_fraction=1.0, max_prompts_per_step=64)
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        run = start_cli(config_path, tmp_path / "report", tmp_path / "run-1.log")
+        try:
+            wait_for("sandbox session", lambda: service_sessions(service.url) > 0, run, every_s=0.05)
+            service.proc.kill()
+            service.proc.wait()
+            port = int(service.url.rsplit(":", 1)[1])
+            with sandbox_service(2, port=port):
+                wait_for("complete step-2 checkpoint", (actor / "global_step2" / resume_marker()).exists, run)
+                os.kill(run.process.pid, signal.SIGKILL)  # the driver only, as a node failure takes it
+                first = finish_cli(run, grace_s=5)
+                assert first.returncode == -signal.SIGKILL
+                cut = actor / "global_step2"
+                (cut / resume_marker()).unlink()
+                shard = max(cut.glob("*optim_states.pt"), key=lambda p: p.stat().st_size)
+                shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+                (actor / "latest").write_text("")
+                second = run_cli(config_path, tmp_path / "report", tmp_path / "run-2.log")
+        finally:
+            if run.process.poll() is None:
+                os.kill(run.process.pid, signal.SIGKILL)
+                finish_cli(run, grace_s=5)
+    assert second.returncode == 0, second.output[-6000:]
+    assert "continuing from global_step1, the last complete checkpoint" in second.output
+    assert f"rl: trained {steps} of {steps} steps" in second.output
+    logged = scalars(run_dir)
+    assert [step for step, _ in logged["train/rollout/groups_kept"]] == [1, 2, 3]  # each step once
+    dropped = dict(logged["train/rollout/groups_dropped_sandbox"])
+    assert dropped[1] >= 1  # step 1 (kept from the first run) counted the groups the restart cost
+    assert (run_dir / "final" / "model.safetensors").exists()
+
+
+def resume_marker() -> str:
+    from stare_agent.backends.openrlhf import resume
+
+    return resume.COMPLETE
 
 
 @pytest.mark.slow

@@ -219,7 +219,22 @@ def test_flags_map_our_keys(tmp_path):
         "stare.warmup_steps": (10, "optim.warmup_steps"),
     }
     plain = {name: value for name, (value, _) in sft.sft_flags(config(), tmp_path / "run").items()}
-    assert "eval.dataset" not in plain and "ckpt.save_steps" not in plain and plain["ckpt.load_enable"] is False
+    assert "eval.dataset" not in plain and "ckpt.save_steps" not in plain and plain["ckpt.load_enable"] is True
+    fresh = {name: value for name, (value, _) in sft.sft_flags(config("resume="), tmp_path / "run").items()}
+    assert fresh["ckpt.load_enable"] is False  # resume='' starts at step 0 (refused over a checkpoint: below)
+
+
+def test_a_fresh_start_over_an_sft_checkpoint_is_refused(tmp_path):
+    pytest.importorskip("openrlhf")
+    from stare_agent.backends.openrlhf import launch
+
+    run_dir = tmp_path / "run"
+    launch.resolve_sft(config("resume="), run_dir)  # nothing there yet
+    (run_dir / "checkpoints" / "global_step10").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("global_step10")
+    with pytest.raises(ConfigError, match=r"resume='' starts the run over, but .* holds a complete checkpoint"):
+        launch.resolve_sft(config("resume="), run_dir)
+    launch.resolve_sft(config(), run_dir)  # the default continues it
 
 
 @pytest.mark.parametrize(

@@ -224,9 +224,10 @@ def _readonly_root(scratch: Path, shm_mb: int, hide_siblings: bool = False) -> N
     # the host's mount table, whoever started this.
     _check(_libc().unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    covered, uncovered = "", []
+    if hide_siblings:  # before _expose: its tmpfs mounts under the scratch root would be covered too
+        covered, uncovered = str(scratch.parent), _cover_all_but(scratch)
     _expose([*_interpreter_paths(), str(scratch)])  # first: its tmpfs would cover the scratch bind mount
-    if hide_siblings:
-        _cover_all_but(scratch)
     _mount(str(scratch), str(scratch), None, MS_BIND)
     keep = [str(scratch), "/proc"]
     if not _under(str(scratch), "/dev/shm"):
@@ -236,19 +237,31 @@ def _readonly_root(scratch: Path, shm_mb: int, hide_siblings: bool = False) -> N
     for mount_point, options in _mounts():
         if "ro" in options or any(_under(mount_point, k) for k in keep):
             continue
+        hidden = covered and mount_point != covered and _under(mount_point, covered)
+        if hidden and not any(_under(mount_point, k) for k in uncovered):
+            continue  # under the tmpfs over the scratch root: out of reach, and no longer a mount point there
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for name in options:
             flags |= _KEPT_FLAGS.get(name, 0)
         _mount(None, mount_point, None, flags)
 
 
-def _cover_all_but(scratch: Path) -> None:
-    """An empty tmpfs over the scratch root, with only this kernel's scratch dir bound back into it."""
-    fd = os.open(scratch, os.O_PATH)
-    _mount("tmpfs", str(scratch.parent), "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-    os.mkdir(scratch)
-    _mount(f"/proc/self/fd/{fd}", str(scratch), None, MS_BIND | MS_REC)
-    os.close(fd)
+def _cover_all_but(scratch: Path) -> list[str]:
+    """An empty tmpfs over the scratch root, with only this kernel's scratch dir bound back into it, and what the
+    interpreter reads when it lies there too (a virtual environment in $TMPDIR, say); returns the paths bound back."""
+    parent = str(scratch.parent)
+    kept = [str(scratch), *(p for p in _interpreter_paths() if _under(p, parent) and p != parent)]
+    fds = {path: os.open(path, os.O_PATH) for path in sorted(set(kept), key=len)}  # opened before they are covered
+    _mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+    for path, fd in fds.items():
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "a").close()
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+    return list(fds)
 
 
 def _mounts() -> list[tuple[str, set[str]]]:

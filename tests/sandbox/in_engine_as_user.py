@@ -29,6 +29,7 @@ async def main(run_folder: str) -> dict:
             "range(8)]; [t.start() for t in ts]; e.set(); [t.join() for t in ts]; print('threads ok')",
             "run_folder": f"open({os.path.join(run_folder, 'policy.txt')!r}, 'w').write('x'); print('WROTE')",
             "scratch": "open('mine.txt', 'w').write('x'); print(open('mine.txt').read())",
+            "siblings": "import os; print(os.listdir('..') == [os.path.basename(os.getcwd())])",
             "signal": f"import os\ntry:\n    os.kill({os.getpid()}, 0); print('SEEN')\nexcept OSError as e:\n"
             "    print(type(e).__name__)",
             "capabilities": "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')][0])",

@@ -67,6 +67,7 @@ def test_tool_calls_work_and_stay_in_their_scratch_dir_as_a_user_with_many_threa
     assert report["run_folder"]["status"] == "error" and "Read-only file system" in report["run_folder"]["error"]
     assert not (run_folder / "policy.txt").exists()
     assert report["scratch"]["stdout"] == "x"  # the scratch dir stays writable
+    assert report["siblings"]["stdout"] == "True"  # the other kernels' dirs (same uid) are out of sight
     assert report["signal"]["stdout"] == "ProcessLookupError"  # the job's processes are out of sight
     assert report["capabilities"]["stdout"] == "0000000000000000"
     assert report["remount"]["status"] == "ok" and report["remount"]["stdout"] != "0"  # mount refuses

@@ -4,7 +4,9 @@ of a training run on a validation file."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -78,20 +80,28 @@ def run(config: EvalConfig, run_dir: Path | None = None) -> list[BenchmarkReport
     generator, tokenizer = make_generator(config)
 
     async def all_sets() -> list[BenchmarkReport]:
-        episodes = config.batch_size if config.agent.tool_mode == "stateful" else 0  # run together, a session each
-        client = make_client(config.sandbox, episodes)
-        try:
-            await start_client(client, config.sandbox, episodes, "batch_size")
-            save_config(config, run_dir)
+        async with sandbox_client(config, run_dir) as client:
             return await evaluate_sets(config, sets, generator, tokenizer, client, run_dir)
-        finally:
-            await client.close()
 
     reports = asyncio.run(all_sets())
     write_reports(reports, run_dir)
     print((run_dir / "results.md").read_text())
     print(f"eval: results in {run_dir}")
     return reports
+
+
+@contextlib.asynccontextmanager
+async def sandbox_client(config: EvalConfig, run_dir: Path) -> AsyncIterator[Any]:
+    """The evaluation's sandbox client, started (and checked to hold batch_size stateful episodes, which run together
+    with a session each); the run directory is made, with its config.yaml, once it is up. Closed after."""
+    episodes = config.batch_size if config.agent.tool_mode == "stateful" else 0
+    client = make_client(config.sandbox, episodes)
+    try:
+        await start_client(client, config.sandbox, episodes, "batch_size")
+        save_config(config, run_dir)
+        yield client
+    finally:
+        await client.close()
 
 
 async def evaluate_sets(
@@ -141,11 +151,7 @@ def run_snapshots(config: EvalConfig, run_dir: Path | None = None) -> list[Bench
     print(f"eval: {len(usable)} snapshots of {config.snapshots} (steps {steps}) on {config.files[0]}")
 
     async def every_snapshot() -> list[SnapshotScore]:
-        episodes = config.batch_size if config.agent.tool_mode == "stateful" else 0  # run together, a session each
-        client = make_client(config.sandbox, episodes)
-        try:
-            await start_client(client, config.sandbox, episodes, "batch_size")
-            save_config(config, run_dir)
+        async with sandbox_client(config, run_dir) as client:
             scores = []
             for step, path in usable:
                 print(f"eval: snapshot of step {step} ({path})")
@@ -158,8 +164,6 @@ def run_snapshots(config: EvalConfig, run_dir: Path | None = None) -> list[Bench
                 del generator, tokenizer  # before the next snapshot's model is loaded
                 gc.collect()
             return scores
-        finally:
-            await client.close()
 
     best = write_snapshot_reports(asyncio.run(every_snapshot()), config.select, run_dir)
     print((run_dir / "snapshots.md").read_text())
