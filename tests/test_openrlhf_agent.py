@@ -511,3 +511,40 @@ def test_openrlhf_makes_experiences_with_the_rollout_log_probs_aligned(orl, tiny
         assert batch.truncated[row].item() == response["truncated"]
     assert batch.truncated.tolist() == [False, True]
     assert batch.info["sampled_tokens"].tolist() == [r["extra_logs"]["sampled_tokens"] for r in responses]
+
+
+def test_the_executor_openrlhf_builds_runs_one_sandbox_call_at_the_engines_start(monkeypatch):
+    """agent_executor.AgentExecutor, as OpenRLHF builds it in each engine actor (no arguments, config from the
+    environment): a working sandbox answers the check; one that cannot fence policy code off refuses the start."""
+    pytest.importorskip("openrlhf")
+    import os
+
+    from stare_agent.backends.openrlhf.agent_executor import AgentExecutor
+    from stare_agent.runtime import SandboxBroken
+    from stare_sandbox import isolation
+
+    monkeypatch.setenv(CONFIG_ENV, config_env(make_config())[CONFIG_ENV])
+    calls = []
+    real = episodes.ReToolExecutor.check_sandbox
+    monkeypatch.setattr(episodes.ReToolExecutor, "check_sandbox", lambda self: calls.append(real(self)))
+    AgentExecutor()
+    assert calls == [None]  # ran, and the in-process kernels answered 42
+    monkeypatch.setattr(episodes.ReToolExecutor, "check_sandbox", real)
+    monkeypatch.setattr(os, "geteuid", lambda: 58123)  # a Ray job's user, on a host without user namespaces
+    monkeypatch.setattr(isolation, "_namespace_problem", lambda: "user.max_user_namespaces=0 (a test)")
+    with pytest.raises(SandboxBroken, match="run the sandbox service"):
+        AgentExecutor()
+
+
+def test_the_driver_says_an_engines_sandbox_refusal_in_one_line():
+    """Ray wraps the engine actor's failed start; train.run finds our line in the cause or in the message."""
+    from stare_agent.backends.openrlhf import train
+    from stare_agent.runtime import SandboxBroken
+
+    line = "the sandbox (in-process kernels (uid 1000)) cannot run a tool call on node-3: no namespaces"
+    wrapped = RuntimeError("ray wrapper")
+    wrapped.cause = SandboxBroken(line)
+    assert train._sandbox_broken(wrapped) == line
+    message = f"ActorDiedError: the actor died in its creation task\n...\nstare_agent.runtime.SandboxBroken: {line}\n"
+    assert train._sandbox_broken(RuntimeError(message)) == line
+    assert train._sandbox_broken(RuntimeError("something else")) == ""
