@@ -302,11 +302,20 @@ class PolicyLossConfig:
     dual_clip: Union[float, None] = None
     """c > 1 bounds the loss of negative-advantage tokens (None = off)."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward in the update."""
+    """Sequences per forward/backward in the reference pass and the update (padded to the batch's longest)."""
+    max_tokens_per_micro_batch: int = 0
+    """Local backend: > 0 = micro-batches by a token budget instead: consecutive episodes packed into one row of at
+    most this many tokens (an episode longer than that alone), no padding computed, attention kept within each
+    episode (docs/local_backend.md); the results equal the padded ones to float rounding. 0 = micro_batch_size rows."""
 
     def __post_init__(self) -> None:
         if self.eps_low <= 0 or self.eps_high <= 0 or self.micro_batch_size < 1:
             raise ValueError("eps_low and eps_high must be > 0, micro_batch_size >= 1")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(
+                f"max_tokens_per_micro_batch must be >= 0 (0 = micro_batch_size rows); got "
+                f"{self.max_tokens_per_micro_batch}"
+            )
 
 
 @dataclass

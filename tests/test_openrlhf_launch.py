@@ -66,6 +66,7 @@ def test_argv_spelling():
         ("model.dtype=float16", "vLLM engines run in bfloat16"),
         ("model.device=cpu", "DeepSpeed places each rank on its own GPU"),
         ("run.threads=4", "local backend's CPU loop"),
+        ("loss.max_tokens_per_micro_batch=4096", "packed token-budget micro-batches are the local backend's"),
         ("openrlhf.eval.dataset=/data/aime.jsonl", "evaluate the saved checkpoints with `stare-agent eval`"),
     ],
 )

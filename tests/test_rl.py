@@ -268,6 +268,72 @@ def test_token_mean_is_over_the_whole_batch(tmp_path, tiny_model_dir, prompts):
         assert results[micro][1]["train/loss"] == pytest.approx(results[64][1]["train/loss"], rel=1e-5)
 
 
+def test_token_budget_micro_batches_take_consecutive_rows_up_to_the_budget():
+    from stare_agent.backends.local.common import token_budget_micro_batches
+
+    got = token_budget_micro_batches([5, 3, 9, 2, 2, 8], 8)
+    assert got == [slice(0, 2), slice(2, 3), slice(3, 5), slice(5, 6)]  # 5+3; 9 alone (over the budget); 2+2; 8
+    assert token_budget_micro_batches([], 8) == []
+
+
+def test_a_packed_row_attends_within_each_episode(tmp_path, tiny_model_dir, prompts):
+    """The reference pass on one packed row equals the padded pass for every episode in it (float rounding), the
+    2nd and later episodes included: were attention to cross the boundaries (the packed row read as one sequence)
+    their log-probs would differ by far more."""
+    trainer = rl.Trainer(config(tmp_path, tiny_model_dir, prompts, "packed", "steps=1"))
+    batch, _ = trainer.prepare(own_episodes(trainer))
+    padded = rl.reference_stats(trainer.model, batch.ids, batch.attention, 1.0)
+    packed = rl.reference_stats(trainer.model, batch.ids, batch.attention, 1.0, packed=True)
+    real = batch.attention[:, 1:].bool() & batch.attention[:, :-1].bool()  # positions that predict a real token
+    for mine, theirs in zip(packed, padded, strict=True):
+        torch.testing.assert_close(mine[real], theirs[real], rtol=1e-4, atol=2e-5)
+    one_sequence = batch.attention.clone()  # the same row without episode boundaries: attention crosses them
+    flat = batch.ids[batch.attention.bool()][None]
+    wrong = trainer.model(input_ids=flat, use_cache=False).logits[0].log_softmax(-1)
+    right = trainer.model(input_ids=batch.ids[:1], attention_mask=one_sequence[:1]).logits[0].log_softmax(-1)
+    n = int(batch.attention[0].sum())
+    torch.testing.assert_close(wrong[:n], right[:n], rtol=1e-4, atol=2e-5)  # the first episode sees nothing before
+    second = int(batch.attention[1].sum())
+    theirs = trainer.model(input_ids=batch.ids[1:2, :second]).logits[0].log_softmax(-1)
+    assert (wrong[n : n + second] - theirs).abs().max() > 1e-2  # ...the second, read as one sequence, does
+
+
+@pytest.mark.parametrize("method", ["stare", "clip_cov", "kl_cov", "entropy_bonus"])
+def test_token_budget_micro_batches_give_the_padded_update(tmp_path, tiny_model_dir, prompts, method):
+    """loss.max_tokens_per_micro_batch: reference pass, selection, weights, loss and gradient of an update equal those
+    of padded micro-batches (float rounding) for each way an entropy control reaches the update."""
+    overrides = ["steps=1", f"entropy_control.method={method}", "optim.updates_per_batch=2"]
+    if method == "entropy_bonus":
+        overrides.append("entropy_bonus.target_entropy=100")  # far above the tiny model's: the bonus is on
+    results = {}
+    for budget in (0, 60):
+        trainer = rl.Trainer(
+            config(tmp_path, tiny_model_dir, prompts, f"budget{budget}", *overrides,
+                   f"loss.max_tokens_per_micro_batch={budget}")
+        )  # fmt: skip
+        rows = []  # the batch size of every forward: 1 (a packed row) with a token budget
+        hook = trainer.model.register_forward_pre_hook(
+            lambda module, args, kwargs, seen=rows: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+        )
+        batch, metrics = trainer.prepare(own_episodes(trainer))
+        if budget:
+            micro = trainer._micro_batches(batch.attention)
+            assert 1 < len(micro) < len(batch.ids)  # several packed rows, several episodes in some
+        flat, losses = gradient(trainer, dataclasses.replace(batch, old_logprobs=batch.old_logprobs - 0.1), update=1)
+        hook.remove()
+        assert (set(rows) == {1}) == (budget > 0), rows
+        results[budget] = (batch, metrics, flat, losses)
+    (batch0, metrics0, flat0, loss0), (batch1, metrics1, flat1, loss1) = results[0], results[60]
+    real = batch0.attention[:, 1:].bool() & batch0.attention[:, :-1].bool()  # padding is zero in packed passes
+    for name in ("old_logprobs", "entropy", "s2", "weights"):
+        torch.testing.assert_close(getattr(batch1, name)[real], getattr(batch0, name)[real], rtol=1e-4, atol=2e-5)
+    for key in ("stare/entropy_mean", "stare/surprisal_mean", "control/selected_share"):
+        if key in metrics0:
+            assert metrics1[key] == pytest.approx(metrics0[key], rel=1e-4, abs=1e-6)
+    assert loss1["train/loss"] == pytest.approx(loss0["train/loss"], rel=1e-4)
+    torch.testing.assert_close(flat1, flat0, rtol=1e-3, atol=1e-6)
+
+
 def _surrogate_by_hand(model, batch, temperature, eps_low, eps_high):
     """-(1/N) sum over action tokens of omega * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), token by token;
     the policy is softmax(logits / temperature); no KL term."""

@@ -64,15 +64,42 @@ def load_model(config: ModelConfig, path: str | Path | None = None) -> tuple[Any
     return model.to(pick_device(config.device)), tokenizer
 
 
-def next_token_logits(model: Any, ids: torch.Tensor, attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_logits(
+    model: Any, ids: torch.Tensor, attention: torch.Tensor, packed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits of every position, the id each one predicts): (B, T, V) as the model returns them, and (B, T).
 
     The last position predicts nothing; its target is a placeholder whose result callers drop ([:, :-1]).
     Keeping all T positions lets the chunked passes (theory.token_logprobs, theory.sampling_stats) view the
     logits as (B*T, V) without copying them.
+
+    packed: the rows (right-padded: each row's tokens first) run as one row of their tokens only, each episode's
+    positions counted from 0 and no attention mask, which transformers turns into attention within each episode
+    (masking_utils.find_packed_sequence_indices; sdpa and eager). No padding goes through the model; the logits come
+    back in the (B, T, V) layout, zero at padding, so callers compute the same things either way.
     """
-    logits = model(input_ids=ids, attention_mask=attention).logits
+    if not packed:
+        logits = model(input_ids=ids, attention_mask=attention).logits
+    else:
+        real = attention.bool()
+        positions = torch.cat([torch.arange(int(n), device=ids.device) for n in real.sum(dim=1)])
+        flat = model(input_ids=ids[real][None], position_ids=positions[None], use_cache=False).logits[0]
+        logits = flat.new_zeros((*ids.shape, flat.shape[-1])).index_put((real,), flat)
     return logits, torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+
+
+def token_budget_micro_batches(lengths: list[int], budget: int) -> list[slice]:
+    """Consecutive rows grouped so that each group's tokens sum to at most `budget` (a row longer than the budget
+    alone): the micro-batches of loss.max_tokens_per_micro_batch, in row order."""
+    starts: list[int] = []
+    total = 0
+    for row, n in enumerate(lengths):
+        if not starts or total + n > budget:
+            starts.append(row)
+            total = 0
+        total += n
+    ends = [*starts[1:], len(lengths)] if starts else []
+    return [slice(start, end) for start, end in zip(starts, ends, strict=True)]
 
 
 def progress(total: int, desc: str, initial: int = 0, unit: str = "step") -> Any:

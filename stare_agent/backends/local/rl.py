@@ -54,6 +54,7 @@ from stare_agent.backends.local.common import (
     seed_everything,
     set_rng_state,
     stream_indices,
+    token_budget_micro_batches,
 )
 from stare_agent.backends.local.generation import HFGenerator
 from stare_agent.batching import BatchFill, NoStepTrained, end_message, episode_stats
@@ -101,25 +102,33 @@ class TimedClient:
 
 @torch.no_grad()
 def reference_stats(
-    model: Any, ids: torch.Tensor, attention: torch.Tensor, temperature: float
+    model: Any, ids: torch.Tensor, attention: torch.Tensor, temperature: float, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Old log-probs of the next tokens, entropy and S2 of the sampling distribution: each (B, T-1) float32."""
-    logits, targets = next_token_logits(model, ids, attention)
+    """Old log-probs of the next tokens, entropy and S2 of the sampling distribution: each (B, T-1) float32.
+    packed: the rows run as one packed row (common.next_token_logits); the results are laid out the same."""
+    logits, targets = next_token_logits(model, ids, attention, packed)
     logprobs, entropy, s2 = sampling_stats(logits, targets, temperature=temperature)
     return logprobs[:, :-1], entropy[:, :-1], s2[:, :-1]
 
 
-def sequence_logprobs(model: Any, ids: torch.Tensor, attention: torch.Tensor, temperature: float) -> torch.Tensor:
+def sequence_logprobs(
+    model: Any, ids: torch.Tensor, attention: torch.Tensor, temperature: float, packed: bool = False
+) -> torch.Tensor:
     """Log-prob of each next token under softmax(logits / temperature), (B, T-1) float32, differentiable."""
-    return policy_outputs(model, ids, attention, temperature)[0]
+    return policy_outputs(model, ids, attention, temperature, packed=packed)[0]
 
 
 def policy_outputs(
-    model: Any, ids: torch.Tensor, attention: torch.Tensor, temperature: float, entropy: bool = False
+    model: Any,
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    temperature: float,
+    entropy: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each next token and (with `entropy`) the entropy at each position, of softmax(logits /
     temperature) from one forward: (B, T-1) float32 each, differentiable; the entropy is None without it."""
-    logits, targets = next_token_logits(model, ids, attention)
+    logits, targets = next_token_logits(model, ids, attention, packed)
     logprobs = token_logprobs(logits, targets, temperature=temperature)[:, :-1]
     return logprobs, (token_entropy(logits, temperature=temperature)[:, :-1] if entropy else None)
 
@@ -307,8 +316,10 @@ class Trainer:
 
         started = time.perf_counter()
         parts = [
-            reference_stats(self.model, padded["ids"][sl], padded["attention"][sl], cfg.rollout.temperature)
-            for sl in self._micro_batches(len(results))
+            reference_stats(
+                self.model, padded["ids"][sl], padded["attention"][sl], cfg.rollout.temperature, self.packed
+            )
+            for sl in self._micro_batches(padded["attention"])
         ]
         old_logprobs, entropy, s2 = (torch.cat(column) for column in zip(*parts, strict=True))
         timings["time/forward"] = time.perf_counter() - started
@@ -355,8 +366,18 @@ class Trainer:
             else:
                 raise errors[0]
 
-    def _micro_batches(self, rows: int) -> list[slice]:
-        micro = self.config.loss.micro_batch_size
+    @property
+    def packed(self) -> bool:
+        """loss.max_tokens_per_micro_batch: micro-batches by a token budget, each run as one packed row."""
+        return self.config.loss.max_tokens_per_micro_batch > 0
+
+    def _micro_batches(self, attention: torch.Tensor) -> list[slice]:
+        """The micro-batches of these rows (their attention masks, in order): loss.micro_batch_size rows each, or
+        with loss.max_tokens_per_micro_batch consecutive rows of at most that many tokens together."""
+        if self.packed:
+            lengths = attention.sum(dim=1).tolist()
+            return token_budget_micro_batches(lengths, self.config.loss.max_tokens_per_micro_batch)
+        rows, micro = len(attention), self.config.loss.micro_batch_size
         return [slice(i, min(i + micro, rows)) for i in range(0, rows, micro)]
 
     def mini_batches(self, rows: int) -> list[torch.Tensor]:
@@ -399,9 +420,13 @@ class Trainer:
             return torch.cat(
                 [
                     sequence_logprobs(
-                        self.model, batch.ids[rows[sl]], batch.attention[rows[sl]], self.config.rollout.temperature
-                    )
-                    for sl in self._micro_batches(len(rows))
+                        self.model,
+                        batch.ids[rows[sl]],
+                        batch.attention[rows[sl]],
+                        self.config.rollout.temperature,
+                        self.packed,
+                    )  # fmt: skip
+                    for sl in self._micro_batches(batch.attention[rows])
                 ]
             )
 
@@ -416,7 +441,7 @@ class Trainer:
         cfg, mask = self.config, batch.action_mask[rows]
         n_tokens = mask.sum()
         method = self.control.method
-        micro = self._micro_batches(len(rows))
+        micro = self._micro_batches(batch.attention[rows])
         selected = update_selection(
             self.control,
             [UpdatePart(self.current_logprobs(batch, rows, update), batch.old_logprobs[rows], batch.advantages[rows],
@@ -429,7 +454,7 @@ class Trainer:
             index = rows[sl]
             logprobs, entropy = policy_outputs(
                 self.model, batch.ids[index], batch.attention[index], cfg.rollout.temperature,
-                entropy=batch.entropy_coef > 0,
+                entropy=batch.entropy_coef > 0, packed=self.packed,
             )  # fmt: skip
             terms = selection_loss_terms(method, None if selected is None else selected[sl], cfg.kl_cov.coef)
             weights = batch.weights[index] * terms.pop("weights", 1.0)

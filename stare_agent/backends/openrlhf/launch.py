@@ -138,6 +138,12 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
         )
     problems = local_only_problems(config.model, config.run)
+    if config.loss.max_tokens_per_micro_batch:
+        problems.append(
+            f"loss.max_tokens_per_micro_batch={config.loss.max_tokens_per_micro_batch}: packed token-budget "
+            "micro-batches are the local backend's; OpenRLHF's (ds.packing_samples, train.dynamic_batch_enable) are "
+            "not supported by the STARE hooks yet"
+        )
     if config.model.dtype == "float16":
         problems.append(
             "model.dtype=float16: OpenRLHF 0.11.2's vLLM engines run in bfloat16 (vllm_engine.py) and refuse weights "
