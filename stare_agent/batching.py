@@ -8,7 +8,12 @@ The rule both backends follow (DESIGN 4, "steps" in docs/stare.md): a step train
 - `equal`: every reward in the group is the same (no GRPO signal; only with rollout.dynamic_sampling).
 
 Dropped groups are replaced by new prompts from the prompt stream (endless passes over the prompt file) until the
-batch is full. Two things stop a run instead of training a partial batch:
+batch is full. Prompts are dispatched up front (`dispatch_count`): the groups still needed divided by the keep rate
+of the last step (rollout.initial_keep_rate at the first), at most rollout.max_dispatch_factor times the need, so
+that the groups dynamic sampling drops are replaced in the same round rather than by one refill after another.
+Groups kept after the batch is full are not trained (the update is on-policy): they are counted as surplus
+(`rollout/groups_surplus`) and their prompts as consumed. Two things stop a run instead of training a partial
+batch:
 
 - the step has consumed `rollout.max_prompts_per_step` prompts and the batch is still not full
   (the filter rate is too high for the run to make progress): the run ends cleanly after the steps it trained;
@@ -147,6 +152,8 @@ class BatchFill:
     budget: int
     max_sandbox_failure_fraction: float
     kept: int = 0
+    surplus: int = 0
+    """Groups that would have been kept but came after the batch was full: not trained."""
     consumed: int = 0
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     episodes: list[dict[str, float]] = field(default_factory=list)
@@ -163,28 +170,33 @@ class BatchFill:
         """Prompts to draw now: what the batch still needs, within what is left of the budget."""
         return max(0, min(self.target - self.kept, self.budget - self.consumed))
 
-    def record(self, verdict: Verdict) -> None:
-        """One consumed prompt's group and its verdict."""
-        if verdict == "kept":
-            if self.full:
-                raise ValueError(f"the batch already holds its {self.target} groups")
-            self.kept += 1
-        else:
-            self.dropped[verdict] += 1
+    def record(self, verdict: Verdict) -> Verdict | Literal["surplus"]:
+        """One consumed prompt's group and its verdict; "surplus" for a group kept after the batch was full."""
         self.consumed += 1
+        if verdict != "kept":
+            self.dropped[verdict] += 1
+        elif self.full:
+            self.surplus += 1
+            return "surplus"
+        else:
+            self.kept += 1
+        return verdict
 
-    def add_group(self, episodes: Sequence[dict[str, float]], *, drop_equal: bool) -> Verdict:
+    def keep_rate(self) -> float | None:
+        """The share of this step's consumed groups that carried a signal (kept or surplus); None before any."""
+        return (self.kept + self.surplus) / self.consumed if self.consumed else None
+
+    def add_group(self, episodes: Sequence[dict[str, float]], *, drop_equal: bool) -> Verdict | Literal["surplus"]:
         """One consumed prompt's group, from its episodes' `episode_stats`: judged, counted, and its episodes kept
-        for the step's rollout metrics."""
+        for the step's rollout metrics (a surplus group's too: they were generated this step)."""
         verdict = group_verdict(
             [None if math.isnan(e["reward"]) else e["reward"] for e in episodes],
             [bool(e["finish_sandbox_error"]) for e in episodes],
             [bool(e["prompt_too_long"]) for e in episodes],
             drop_equal=drop_equal,
         )
-        self.record(verdict)
         self.episodes.extend(episodes)
-        return verdict
+        return self.record(verdict)
 
     def check_sandbox(self) -> None:
         """SandboxFailures when too large a share of this step's groups failed in the sandbox."""
@@ -209,10 +221,20 @@ class BatchFill:
         the rollout/ names both backends log."""
         return {
             "rollout/groups_kept": float(self.kept),
+            "rollout/groups_surplus": float(self.surplus),
             **{f"rollout/groups_dropped_{reason}": float(n) for reason, n in self.dropped.items()},
             "rollout/prompts_consumed": float(self.consumed),
             **(rollout_metrics(self.episodes) if self.episodes else {}),
         }
+
+
+def dispatch_count(need: int, budget_left: int, keep_rate: float, max_factor: float) -> int:
+    """Prompts to dispatch now for `need` more groups: need / keep_rate rounded up, at most max_factor x need and
+    `budget_left` (what the step may still consume), at least need (never above budget_left)."""
+    if need <= 0 or budget_left <= 0:
+        return 0
+    wanted = math.ceil(need / max(keep_rate, 1e-9) - 1e-9)
+    return max(min(need, budget_left), min(wanted, math.floor(max_factor * need), budget_left))
 
 
 def end_message(trained: int, steps: int, reason: str) -> str:

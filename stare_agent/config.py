@@ -255,6 +255,14 @@ class RolloutConfig:
     max_prompts_per_step: int = 0
     """Prompts one step may consume while it fills its batch (0 = 8 x prompts_per_step). A step that has not filled
     its batch by then ends the run cleanly after the steps it trained: a partial batch is never trained."""
+    max_dispatch_factor: float = 1.0
+    """Up-front dispatch under dynamic sampling (stare_agent/batching.py): each round of a step dispatches the
+    groups it still needs divided by the last step's keep rate, at most this many times the need, so that dropped
+    groups are replaced in the same round instead of one refill after another. Groups kept after the batch is full
+    are not trained and are counted (rollout/groups_surplus); their prompts count as consumed. 1 = dispatch exactly
+    what the batch still needs. Local backend for now."""
+    initial_keep_rate: float = 1.0
+    """The keep rate up-front dispatch assumes at a run's first step (later steps use the last step's)."""
     max_sandbox_failure_fraction: float = 0.5
     """A step in which more than this share of the groups failed in the sandbox stops the run with an error."""
     audit_masks: bool = True
@@ -287,6 +295,11 @@ class RolloutConfig:
             raise ValueError(
                 f"max_prompts_per_step must be 0 (= 8 x prompts_per_step) or >= prompts_per_step="
                 f"{self.prompts_per_step}; got {self.max_prompts_per_step}"
+            )
+        if not self.max_dispatch_factor >= 1 or not 0 < self.initial_keep_rate <= 1:
+            raise ValueError(
+                f"max_dispatch_factor must be >= 1 and initial_keep_rate in (0, 1]; got {self.max_dispatch_factor}, "
+                f"{self.initial_keep_rate}"
             )
         if not 0 <= self.max_sandbox_failure_fraction <= 1:
             raise ValueError(

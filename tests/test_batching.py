@@ -6,7 +6,15 @@ import math
 
 import pytest
 
-from stare_agent.batching import EPISODE_STATS, BatchFill, SandboxFailures, end_message, episode_stats, group_verdict
+from stare_agent.batching import (
+    EPISODE_STATS,
+    BatchFill,
+    SandboxFailures,
+    dispatch_count,
+    end_message,
+    episode_stats,
+    group_verdict,
+)
 
 
 def test_a_group_is_dropped_for_the_sandbox_first_then_the_prompt_then_equal_rewards():
@@ -34,6 +42,7 @@ def test_room_asks_for_what_the_batch_needs_within_the_budget():
     assert fill.room() == 0 and not fill.full  # the budget is spent: the batch stays partial
     assert fill.metrics() == {
         "rollout/groups_kept": 3.0,
+        "rollout/groups_surplus": 0.0,
         "rollout/groups_dropped_equal": 2.0,
         "rollout/groups_dropped_sandbox": 1.0,
         "rollout/groups_dropped_prompt_too_long": 1.0,
@@ -43,13 +52,34 @@ def test_room_asks_for_what_the_batch_needs_within_the_budget():
     assert "(dropped: 2 equal, 1 sandbox, 1 prompt too long)" in fill.why_not_full()
 
 
-def test_a_full_batch_takes_no_more_groups():
-    fill = BatchFill(target=2, budget=2, max_sandbox_failure_fraction=0.5)
-    fill.record("kept")
-    fill.record("kept")
+def test_a_full_batch_counts_later_groups_as_surplus_and_trains_none_of_them():
+    fill = BatchFill(target=2, budget=6, max_sandbox_failure_fraction=0.5)
+    assert fill.keep_rate() is None
+    assert [fill.record(v) for v in ("kept", "equal", "kept")] == ["kept", "equal", "kept"]
     assert fill.full and fill.room() == 0
-    with pytest.raises(ValueError, match="already holds its 2 groups"):
-        fill.record("kept")
+    assert [fill.record(v) for v in ("kept", "equal")] == ["surplus", "equal"]  # up-front dispatch's late groups
+    assert (fill.kept, fill.surplus, fill.consumed) == (2, 1, 5)
+    assert fill.keep_rate() == 3 / 5  # what carried a signal, surplus included
+    metrics = fill.metrics()
+    assert metrics["rollout/groups_kept"] == 2 and metrics["rollout/groups_surplus"] == 1
+    assert metrics["rollout/prompts_consumed"] == 5 and metrics["rollout/groups_dropped_equal"] == 2
+
+
+@pytest.mark.parametrize(
+    ("need", "budget_left", "rate", "factor", "expected"),
+    [
+        (8, 64, 1.0, 2.0, 8),  # everything kept last step: what is needed
+        (8, 64, 0.5, 2.0, 16),  # half kept: twice the need
+        (8, 64, 0.5, 1.0, 8),  # the factor caps it: exactly the need
+        (8, 64, 0.1, 3.0, 24),  # a low rate: capped at factor x need
+        (8, 10, 0.5, 2.0, 10),  # never beyond what the step may still consume
+        (8, 5, 0.5, 2.0, 5),  # the budget below the need: what is left
+        (3, 64, 0.6, 2.0, 5),  # ceil(3 / 0.6) = 5
+        (0, 64, 0.5, 2.0, 0),
+    ],
+)
+def test_dispatch_count(need, budget_left, rate, factor, expected):
+    assert dispatch_count(need, budget_left, rate, factor) == expected
 
 
 def test_the_sandbox_stop_fires_above_the_fraction_only():

@@ -1158,7 +1158,9 @@ def test_both_backends_log_the_same_rollout_metrics_for_the_same_episodes(hooks,
     monkeypatch.setattr(rl, "run_batch", run_batch)
     monkeypatch.setattr(rl, "stream_indices", lambda n, seed, start, count: list(range(start, start + count)))
     problems = [Problem(f"p{i}", f"{kind}: problem {i}", "1", "test") for i, kind in enumerate(kinds)]
-    trainer = NS(config=RLConfig(rollout=run.rollout, steps=1), problems=problems, cursor=0, tokenizer=None)
+    trainer = NS(
+        config=RLConfig(rollout=run.rollout, steps=1), problems=problems, cursor=0, tokenizer=None, keep_rate=1.0
+    )
     trainer.generator = None
     _, _, local = asyncio.run(rl.Trainer.rollouts(trainer, client=None))
 

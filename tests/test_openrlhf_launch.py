@@ -67,6 +67,7 @@ def test_argv_spelling():
         ("model.device=cpu", "DeepSpeed places each rank on its own GPU"),
         ("run.threads=4", "local backend's CPU loop"),
         ("loss.max_tokens_per_micro_batch=4096", "packed token-budget micro-batches are the local backend's"),
+        ("rollout.max_dispatch_factor=2", "up-front dispatch is the local backend's"),
         ("openrlhf.eval.dataset=/data/aime.jsonl", "evaluate the saved checkpoints with `stare-agent eval`"),
     ],
 )

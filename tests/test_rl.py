@@ -537,6 +537,44 @@ def test_runs_filtered_at_different_rates_train_the_same_full_batches(tmp_path, 
     assert consumed["many-drops"] > consumed["few-drops"] >= 9
 
 
+def test_up_front_dispatch_sends_the_need_over_the_keep_rate_and_counts_the_surplus(
+    tmp_path, tiny_model_dir, prompts, monkeypatch
+):
+    """rollout.max_dispatch_factor: each round sends need / (last step's keep rate) prompts at once (the first step
+    at initial_keep_rate); groups kept after the batch is full are counted, not trained; every step trains exactly
+    prompts_per_step groups."""
+    made = scripted_rl(monkeypatch, prompts, kinds=("varied",))  # every group keeps a signal
+    dispatch = ["rollout.max_dispatch_factor=2", "rollout.initial_keep_rate=0.5", *SCRIPTED]
+    final = rl.run(config(tmp_path, tiny_model_dir, prompts, "dispatch", "steps=3", *dispatch))
+    assert final.name == "step-000003"
+    metrics = rows(tmp_path / "dispatch")
+    assert [r["rollout/groups_kept"] for r in metrics] == [3, 3, 3]
+    # step 1: 3 / 0.5 = 6 prompts in one round, all with a signal: 3 trained, 3 surplus; then the rate is 1
+    assert [(r["rollout/prompts_consumed"], r["rollout/groups_surplus"]) for r in metrics] == [(6, 3), (3, 0), (3, 0)]
+    calls = sum(made[0].calls.values())
+    assert calls == 4 * sum(r["rollout/prompts_consumed"] for r in metrics)  # every dispatched group was generated
+    plain = rl.run(config(tmp_path, tiny_model_dir, prompts, "plain", "steps=3", *SCRIPTED))
+    assert plain.name == "step-000003" and all(r["rollout/groups_surplus"] == 0 for r in rows(tmp_path / "plain"))
+
+
+def test_a_resumed_run_dispatches_as_the_uninterrupted_one(tmp_path, tiny_model_dir, prompts, varied_reward):
+    """The keep rate that sizes a step's dispatch rides in the checkpoint: resuming from step 1 draws the same
+    prompts as the run that went on, and ends with the same weights."""
+    args = (tmp_path, tiny_model_dir, prompts)
+    dispatch = ["steps=3", "save_every=1", "rollout.max_dispatch_factor=3", "rollout.initial_keep_rate=0.4"]
+    straight = rl.run(config(*args, "straight", *dispatch))
+    rl.run(config(*args, "split", *dispatch))
+    split = tmp_path / "split" / "checkpoints"
+    shutil.rmtree(split / "step-000003")
+    shutil.rmtree(split / "step-000002")
+    (split / "latest").write_text("step-000001\n")
+    resumed = rl.run(config(*args, "split", *dispatch))
+    consumed = [[r["rollout/prompts_consumed"] for r in rows(tmp_path / name)] for name in ("straight", "split")]
+    assert consumed[0] == consumed[1] and consumed[0][0] == 8  # ceil(3 / 0.4) at step 1
+    a, b = load_file(str(straight / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_step_that_cannot_fill_its_batch_ends_the_run_cleanly(
     tmp_path, tiny_model_dir, prompts, monkeypatch, capsys
 ):

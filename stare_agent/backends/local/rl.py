@@ -57,7 +57,7 @@ from stare_agent.backends.local.common import (
     token_budget_micro_batches,
 )
 from stare_agent.backends.local.generation import HFGenerator
-from stare_agent.batching import BatchFill, NoStepTrained, end_message, episode_stats
+from stare_agent.batching import BatchFill, NoStepTrained, dispatch_count, end_message, episode_stats
 from stare_agent.config import ConfigError, RLConfig, run_path, save_config
 from stare_agent.data import DataError, Problem, load_problems
 from stare_agent.entropy_control import (
@@ -228,6 +228,8 @@ class Trainer:
             seed=config.run.seed,
         )
         self.step, self.cursor = 0, 0
+        self.keep_rate = config.rollout.initial_keep_rate
+        """The last step's share of consumed groups with a signal: how many prompts up-front dispatch sends."""
         if self.checkpoint is not None:
             state = load_trainer_state(self.checkpoint)
             self.optimizer.load_state_dict(state["optimizer"])
@@ -236,6 +238,7 @@ class Trainer:
             self.generator.generator.set_state(state["generator_rng"])
             set_rng_state(state["rng"])
             self.step, self.cursor = state["step"], state["cursor"]
+            self.keep_rate = state.get("keep_rate", self.keep_rate)  # older checkpoints: the initial rate
             print(f"rl: resumed from {self.checkpoint} at step {self.step}")
 
     def open_log(self) -> MetricsLog:
@@ -266,6 +269,7 @@ class Trainer:
         state = {
             "step": self.step,
             "cursor": self.cursor,
+            "keep_rate": self.keep_rate,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "stare": self.control.state_dict(),
@@ -286,8 +290,9 @@ class Trainer:
         fill = BatchFill(r.prompts_per_step, r.prompt_budget, r.max_sandbox_failure_fraction)
         kept: list[list[EpisodeResult]] = []
         while need := fill.room():
-            picked = stream_indices(len(self.problems), self.config.run.seed, self.cursor, need)
-            self.cursor += need
+            count = dispatch_count(need, r.prompt_budget - fill.consumed, self.keep_rate, r.max_dispatch_factor)
+            picked = stream_indices(len(self.problems), self.config.run.seed, self.cursor, count)
+            self.cursor += count
             episodes = [self.problems[i] for i in picked for _ in range(r.group_size)]
             results = await run_batch(
                 episodes,
@@ -296,10 +301,11 @@ class Trainer:
                 client=client,
                 config=self.config.agent,
             )
-            for g in range(need):
+            for g in range(count):
                 group = results[g * r.group_size : (g + 1) * r.group_size]
                 if fill.add_group([episode_stats(e) for e in group], drop_equal=r.dynamic_sampling) == "kept":
                     kept.append(group)
+        self.keep_rate = fill.keep_rate() or self.keep_rate
         return kept, fill, fill.metrics()
 
     def prepare(self, groups: list[list[EpisodeResult]]) -> tuple[UpdateBatch, dict[str, float]]:

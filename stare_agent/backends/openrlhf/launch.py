@@ -138,6 +138,11 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
         )
     problems = local_only_problems(config.model, config.run)
+    if config.rollout.max_dispatch_factor != 1:
+        problems.append(
+            f"rollout.max_dispatch_factor={config.rollout.max_dispatch_factor}: up-front dispatch is the local "
+            "backend's; the openrlhf backend dispatches what the batch still needs"
+        )
     if config.loss.max_tokens_per_micro_batch:
         problems.append(
             f"loss.max_tokens_per_micro_batch={config.loss.max_tokens_per_micro_batch}: packed token-budget "
