@@ -42,6 +42,11 @@ def make_client(config: SandboxConfig, concurrent_episodes: int = 0) -> Any:
     return InProcessClient(PoolSettings(pool_size=config.pool_size, max_kernels=max_kernels, isolation=isolation))
 
 
+def sandbox_where(config: SandboxConfig) -> str:
+    """Where a run's tool calls go, for the messages that name it: the servers' URLs, or in-process kernels."""
+    return ", ".join(config.urls) or config.url or f"in-process kernels (uid {os.geteuid()})"
+
+
 class SandboxBroken(RuntimeError):
     """The sandbox a run would use cannot run a tool call (check_sandbox): the run stops before its first step."""
 
@@ -51,7 +56,7 @@ def check_sandbox(config: SandboxConfig, concurrent_episodes: int = 0, counted_b
     SandboxBroken or ConfigError, in one line, when that does not answer 42. Blocking, a few seconds; runs in a
     thread of its own, so it may be called where an event loop runs (OpenRLHF builds the executor in one). In-process
     kernels it started are closed again: the episodes' client starts its own in the loop that uses it."""
-    where = ", ".join(config.urls) or config.url or f"in-process kernels (uid {os.geteuid()})"
+    where = sandbox_where(config)
     outcome: list[BaseException | None] = [None]
 
     async def once() -> None:
@@ -77,10 +82,10 @@ def check_sandbox(config: SandboxConfig, concurrent_episodes: int = 0, counted_b
     thread.start()
     thread.join()
     exc = outcome[0]
-    if exc is None or isinstance(exc, (ConfigError, SandboxBroken)):
-        if exc is not None:
-            raise exc
+    if exc is None:
         return
+    if isinstance(exc, (ConfigError, SandboxBroken)):
+        raise exc
     hint = ""
     if not (config.url or config.urls) and os.geteuid() != 0:
         hint = (

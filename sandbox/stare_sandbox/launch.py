@@ -251,17 +251,8 @@ def _cover_all_but(scratch: Path) -> list[str]:
     interpreter reads when it lies there too (a virtual environment in $TMPDIR, say); returns the paths bound back."""
     parent = str(scratch.parent)
     kept = [str(scratch), *(p for p in _interpreter_paths() if _under(p, parent) and p != parent)]
-    fds = {path: os.open(path, os.O_PATH) for path in sorted(set(kept), key=len)}  # opened before they are covered
-    _mount("tmpfs", parent, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-    for path, fd in fds.items():
-        if os.path.isdir(f"/proc/self/fd/{fd}"):
-            os.makedirs(path, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            open(path, "a").close()
-        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        os.close(fd)
-    return list(fds)
+    _cover(parent, kept)
+    return kept
 
 
 def _mounts() -> list[tuple[str, set[str]]]:
@@ -306,17 +297,22 @@ def _expose(paths: list[str]) -> None:
             if not os.stat(directory).st_mode & 0o001:
                 blocked.setdefault(directory, set()).add(parts[i])
     for directory in sorted(blocked, key=lambda d: len(Path(d).parts)):  # outer ones first
-        # open the entries before they are covered, and bind them back from the open descriptors
-        fds = {name: os.open(os.path.join(directory, name), os.O_PATH) for name in sorted(blocked[directory])}
-        _mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-        for name, fd in fds.items():
-            target = os.path.join(directory, name)
-            if os.path.isdir(f"/proc/self/fd/{fd}"):
-                os.mkdir(target)
-            else:
-                open(target, "w").close()
-            _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
-            os.close(fd)
+        _cover(directory, [os.path.join(directory, name) for name in sorted(blocked[directory])])
+
+
+def _cover(directory: str, kept: list[str]) -> None:
+    """An empty tmpfs over `directory`, with the paths `kept` under it (any depth) bound back into it: each is
+    opened before it is covered and bound back from its open descriptor, parents first."""
+    fds = {path: os.open(path, os.O_PATH) for path in sorted(set(kept), key=len)}
+    _mount("tmpfs", directory, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
+    for path, fd in fds.items():
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(path, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "a").close()
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
 
 
 # --- process -----------------------------------------------------------------------------------------

@@ -134,10 +134,11 @@ def run_snapshots(config: EvalConfig, run_dir: Path | None = None) -> list[Bench
     Every snapshot is sampled with the same seed, so the comparison between them is paired. One model (or vLLM
     engine) is in memory at a time.
     """
-    found = snapshots.find(config.snapshots)
-    usable = [(step, path) for step, path in found if (path / "config.json").exists()]
-    for step, path in found:
-        if (step, path) not in usable:
+    usable = []
+    for step, path in snapshots.find(config.snapshots):
+        if (path / "config.json").exists():
+            usable.append((step, path))
+        else:
             print(f"eval: {path} left out: no config.json (a snapshot still being written, or an incomplete one)")
     if not usable:
         what = "no Hugging Face snapshot in it" if Path(config.snapshots).is_dir() else "no such folder"

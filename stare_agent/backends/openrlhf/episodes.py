@@ -202,7 +202,7 @@ class ReToolExecutor:
     async def client(self) -> ToolClient:
         """The executor's sandbox client, started on first use; an unreachable sandbox is an error, not a NaN, and so
         is a sandbox service that cannot hold a step's episodes (ConfigError, runtime.check_capacity)."""
-        from stare_agent.runtime import start_client
+        from stare_agent.runtime import sandbox_where, start_client
 
         async with self._client_lock:
             if self._client is None:
@@ -214,10 +214,9 @@ class ReToolExecutor:
                     await start_client(client, self.config.sandbox, concurrent_episodes(self.config), STEP_EPISODES)
                 except SandboxUnavailable as exc:
                     # Not a per-episode failure: dropping every group would silently consume the prompt set.
-                    where = ", ".join(self.config.sandbox.urls) or self.config.sandbox.url or "in-process kernels"
                     raise RuntimeError(
-                        f"the sandbox ({where}) does not answer: {exc}. Start it (`stare-agent sandbox serve`) "
-                        "and check sandbox.url (or sandbox.urls) and sandbox.token"
+                        f"the sandbox ({sandbox_where(self.config.sandbox)}) does not answer: {exc}. Start it "
+                        "(`stare-agent sandbox serve`) and check sandbox.url (or sandbox.urls) and sandbox.token"
                     ) from exc
                 self._client = client
             return self._client

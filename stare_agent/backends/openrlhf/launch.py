@@ -322,9 +322,8 @@ def resolve_sft(config: SFTConfig, run_dir: Path | None = None) -> tuple[list[st
     ours = sft.sft_flags(config, run_dir)
     _refuse(config.openrlhf, ours, SFT_REFUSED)
     if run_dir is not None:  # OpenRLHF's SFT keeps DeepSpeed's checkpoints and `latest` in ckpt.path itself
-        latest = run_dir / "checkpoints" / "latest"
-        named = latest.read_text().strip() if latest.is_file() else ""
-        check_fresh_start(config.resume, run_dir, latest.parent / named if named else None)
+        named = resume.latest_named(run_dir / "checkpoints")
+        check_fresh_start(config.resume, run_dir, run_dir / "checkpoints" / named if named else None)
     argv, namespace = _checked_by_openrlhf(upstream.SFT_CLI, ours, config.openrlhf)
     entry = to_argv({name: value for name, (value, _) in sft.entry_flags(config).items()})
     return ["deepspeed", "--module", sft.ENTRY_MODULE, *entry, *argv], namespace

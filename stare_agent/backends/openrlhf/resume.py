@@ -42,14 +42,15 @@ def mark_complete(ckpt_path: str | Path, step: int) -> None:
         (folder / COMPLETE).write_text(json.dumps({"step": step}) + "\n")
 
 
-def _pointer(actor: Path) -> str:
-    latest = actor / "latest"
+def latest_named(folder: Path) -> str:
+    """The checkpoint DeepSpeed's `latest` file in `folder` names; '' when there is none (or it is empty)."""
+    latest = folder / "latest"
     return latest.read_text().strip() if latest.is_file() else ""
 
 
 def complete_checkpoints(actor: Path) -> list[Path]:
     """The complete checkpoints in `actor`, oldest step first: marked ones, and the one `latest` names."""
-    named = _pointer(actor)
+    named = latest_named(actor)
     found = []
     for folder in actor.glob("global_step*"):
         match = _TAG.fullmatch(folder.name)
@@ -90,7 +91,7 @@ def prepare(run_dir: Path) -> Path | None:
     actor = actor_dir(run_dir)
     if not actor.is_dir():
         return None
-    named, newest = _pointer(actor), newest_complete(run_dir)
+    named, newest = latest_named(actor), newest_complete(run_dir)
     latest = actor / "latest"
     if newest is None:
         if latest.exists():
