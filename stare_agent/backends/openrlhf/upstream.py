@@ -8,8 +8,10 @@ pass are checked by OpenRLHF's own parser, defaults and choices included.
 On a machine without the GPU stack (a laptop, CI), `flash_attn` and `vllm` are missing and OpenRLHF's CLI
 modules fail to import. For the parser capture only (`--dry-run`, tests), `import_openrlhf` then puts
 minimal stand-ins for exactly the names OpenRLHF imports from them into `sys.modules` while importing, and
-removes them afterwards, so the rest of the process still sees that vLLM is absent. Training never uses
-them: it needs the real packages.
+removes them afterwards, so the rest of the process still sees that vLLM is absent. Training on a GPU uses the
+real packages. The one piece of them that works here is flash_attn's padding helpers (plain tensor indexing), so
+that OpenRLHF's packed forward (`--ds.packing_samples`) runs on a CPU too: tests check the STARE entropy pass on
+packed rows through it.
 """
 
 from __future__ import annotations
@@ -54,8 +56,47 @@ def check_installed() -> str:
     return found
 
 
+# flash_attn.bert_padding's helpers, which OpenRLHF's packed forward calls (models/ring_attn_utils.py): plain torch
+# indexing, no kernel, so they work on any device. Same contract as flash-attn 2.8's: `unpad_input` keeps the
+# positions where the (batch, length) mask is set, in row-major order, and `pad_input` puts them back.
+
+
+def index_first_axis(values: Any, indices: Any) -> Any:
+    """values[indices] along the first axis."""
+    return values[indices]
+
+
+def unpad_input(hidden: Any, attention_mask: Any, unused_mask: Any = None) -> tuple[Any, Any, Any, int, Any]:
+    """(batch, length, ...) -> (kept, ...) at the positions where attention_mask is set, with their flat indices,
+    the cumulative sequence lengths (batch + 1, int32), the longest sequence and each sequence's length."""
+    import torch
+
+    mask = attention_mask if unused_mask is None else attention_mask + unused_mask
+    lengths = mask.sum(dim=-1, dtype=torch.int32)
+    indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+    kept = hidden.reshape(-1, *hidden.shape[2:])[indices]
+    return kept, indices, cu_seqlens, int(lengths.max()), attention_mask.sum(dim=-1, dtype=torch.int32)
+
+
+def pad_input(kept: Any, indices: Any, batch: int, length: int) -> Any:
+    """The inverse of unpad_input: (kept, ...) -> (batch, length, ...), zeros where nothing was kept."""
+    import torch
+
+    out = torch.zeros(batch * length, *kept.shape[1:], dtype=kept.dtype, device=kept.device)
+    out[indices] = kept
+    return out.reshape(batch, length, *kept.shape[1:])
+
+
+def _rearrange(*args: Any, **kwargs: Any) -> Any:
+    import einops  # an OpenRLHF dependency, imported when OpenRLHF calls it
+
+    return einops.rearrange(*args, **kwargs)
+
+
 def _stand_ins() -> dict[str, types.ModuleType]:
-    """Modules with the names OpenRLHF 0.11.2 imports from flash_attn and vllm at module level, nothing more."""
+    """Modules with the names OpenRLHF 0.11.2 imports from flash_attn and vllm at module level, nothing more: the
+    padding helpers work (above), every other name raises when called."""
 
     def unavailable(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("flash_attn / vllm are not installed here: this stand-in only lets OpenRLHF import")
@@ -75,10 +116,10 @@ def _stand_ins() -> dict[str, types.ModuleType]:
     flash = module("flash_attn", package=True)
     padding = module(
         "flash_attn.bert_padding",
-        index_first_axis=unavailable,
-        pad_input=unavailable,
-        rearrange=unavailable,
-        unpad_input=unavailable,
+        index_first_axis=index_first_axis,
+        pad_input=pad_input,
+        rearrange=_rearrange,
+        unpad_input=unpad_input,
     )
     utils = module("flash_attn.utils", package=True)
     distributed = module("flash_attn.utils.distributed", all_gather=unavailable)
