@@ -12,7 +12,10 @@ batch is full. Prompts are dispatched up front (`dispatch_count`): the groups st
 of the last step (rollout.initial_keep_rate at the first), at most rollout.max_dispatch_factor times the need, so
 that the groups dynamic sampling drops are replaced in the same round rather than by one refill after another.
 Groups kept after the batch is full are not trained (the update is on-policy): they are counted as surplus
-(`rollout/groups_surplus`) and their prompts as consumed. Two things stop a run instead of training a partial
+(`rollout/groups_surplus`) and their prompts as consumed; where generation runs asynchronously (the openrlhf
+backend), groups still being generated when the batch is full are stopped (`rollout/groups_cancelled`), their
+prompts consumed too. Later rounds (the local loop) or each finished group (openrlhf) dispatch what is then still
+needed, counting the groups in flight. Two things stop a run instead of training a partial
 batch:
 
 - the step has consumed `rollout.max_prompts_per_step` prompts and the batch is still not full
@@ -154,6 +157,8 @@ class BatchFill:
     kept: int = 0
     surplus: int = 0
     """Groups that would have been kept but came after the batch was full: not trained."""
+    cancelled: int = 0
+    """Groups still being generated when the batch was full, stopped there (openrlhf backend): not trained."""
     consumed: int = 0
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     episodes: list[dict[str, float]] = field(default_factory=list)
@@ -182,9 +187,15 @@ class BatchFill:
             self.kept += 1
         return verdict
 
+    def cancel(self) -> None:
+        """One dispatched prompt whose group was stopped unfinished once the batch was full: consumed, no verdict."""
+        self.consumed += 1
+        self.cancelled += 1
+
     def keep_rate(self) -> float | None:
-        """The share of this step's consumed groups that carried a signal (kept or surplus); None before any."""
-        return (self.kept + self.surplus) / self.consumed if self.consumed else None
+        """The share of this step's judged groups that carried a signal (kept or surplus); None before any."""
+        judged = self.consumed - self.cancelled
+        return (self.kept + self.surplus) / judged if judged else None
 
     def add_group(self, episodes: Sequence[dict[str, float]], *, drop_equal: bool) -> Verdict | Literal["surplus"]:
         """One consumed prompt's group, from its episodes' `episode_stats`: judged, counted, and its episodes kept
@@ -222,19 +233,23 @@ class BatchFill:
         return {
             "rollout/groups_kept": float(self.kept),
             "rollout/groups_surplus": float(self.surplus),
+            "rollout/groups_cancelled": float(self.cancelled),
             **{f"rollout/groups_dropped_{reason}": float(n) for reason, n in self.dropped.items()},
             "rollout/prompts_consumed": float(self.consumed),
             **(rollout_metrics(self.episodes) if self.episodes else {}),
         }
 
 
-def dispatch_count(need: int, budget_left: int, keep_rate: float, max_factor: float) -> int:
-    """Prompts to dispatch now for `need` more groups: need / keep_rate rounded up, at most max_factor x need and
-    `budget_left` (what the step may still consume), at least need (never above budget_left)."""
+def dispatch_count(need: int, budget_left: int, keep_rate: float, max_factor: float, in_flight: int = 0) -> int:
+    """Prompts to dispatch now for `need` more groups while `in_flight` groups are still being generated: so that
+    need / keep_rate groups (rounded up; at most max_factor x need, at least need) are out in all, within
+    `budget_left` (the prompts the step may still consume). With max_factor 1 this replaces each dropped group by
+    one prompt, as OpenRLHF does."""
     if need <= 0 or budget_left <= 0:
         return 0
     wanted = math.ceil(need / max(keep_rate, 1e-9) - 1e-9)
-    return max(min(need, budget_left), min(wanted, math.floor(max_factor * need), budget_left))
+    out = max(need, min(wanted, math.floor(max_factor * need)))
+    return max(0, min(out - in_flight, budget_left))
 
 
 def end_message(trained: int, steps: int, reason: str) -> str:

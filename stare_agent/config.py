@@ -260,7 +260,8 @@ class RolloutConfig:
     groups it still needs divided by the last step's keep rate, at most this many times the need, so that dropped
     groups are replaced in the same round instead of one refill after another. Groups kept after the batch is full
     are not trained and are counted (rollout/groups_surplus); their prompts count as consumed. 1 = dispatch exactly
-    what the batch still needs. Local backend for now."""
+    what the batch still needs. The openrlhf backend dispatches again as each group finishes, counting the groups
+    in flight, and stops the groups still generating once the batch is full (rollout/groups_cancelled)."""
     initial_keep_rate: float = 1.0
     """The keep rate up-front dispatch assumes at a run's first step (later steps use the last step's)."""
     max_sandbox_failure_fraction: float = 0.5

@@ -43,6 +43,7 @@ def test_room_asks_for_what_the_batch_needs_within_the_budget():
     assert fill.metrics() == {
         "rollout/groups_kept": 3.0,
         "rollout/groups_surplus": 0.0,
+        "rollout/groups_cancelled": 0.0,
         "rollout/groups_dropped_equal": 2.0,
         "rollout/groups_dropped_sandbox": 1.0,
         "rollout/groups_dropped_prompt_too_long": 1.0,
@@ -63,6 +64,9 @@ def test_a_full_batch_counts_later_groups_as_surplus_and_trains_none_of_them():
     metrics = fill.metrics()
     assert metrics["rollout/groups_kept"] == 2 and metrics["rollout/groups_surplus"] == 1
     assert metrics["rollout/prompts_consumed"] == 5 and metrics["rollout/groups_dropped_equal"] == 2
+    fill.cancel()  # a group still generating when the batch was full (openrlhf): consumed, not judged
+    assert (fill.consumed, fill.cancelled, fill.keep_rate()) == (6, 1, 3 / 5)
+    assert fill.metrics()["rollout/groups_cancelled"] == 1
 
 
 @pytest.mark.parametrize(
@@ -80,6 +84,20 @@ def test_a_full_batch_counts_later_groups_as_surplus_and_trains_none_of_them():
 )
 def test_dispatch_count(need, budget_left, rate, factor, expected):
     assert dispatch_count(need, budget_left, rate, factor) == expected
+
+
+@pytest.mark.parametrize(
+    ("need", "budget_left", "rate", "factor", "in_flight", "expected"),
+    [
+        (2, 60, 1.0, 1.0, 1, 1),  # factor 1: one dropped group, one new prompt (OpenRLHF's refill)
+        (2, 60, 0.5, 2.0, 3, 1),  # 4 groups should be out for 2 more at a keep rate of 1/2
+        (2, 60, 0.5, 2.0, 4, 0),  # enough in flight already
+        (2, 60, 0.5, 2.0, 9, 0),  # more in flight than wanted: nothing, never negative
+        (4, 1, 0.5, 2.0, 2, 1),  # what the step may still consume
+    ],
+)
+def test_dispatch_count_counts_the_groups_in_flight(need, budget_left, rate, factor, in_flight, expected):
+    assert dispatch_count(need, budget_left, rate, factor, in_flight) == expected
 
 
 def test_the_sandbox_stop_fires_above_the_fraction_only():

@@ -47,7 +47,7 @@ from test_openrlhf_e2e import (
 __all__ = ["coin_model"]  # a fixture, used by name
 
 STEPS, PROMPTS, GROUP, RANKS = 2, 2, 4, 2
-TOKEN_BUDGET = 200
+TOKEN_BUDGET = 120
 CLUSTER_RUN_TIMEOUT_S = 900
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, needs_the_stack]
@@ -95,7 +95,8 @@ def cluster_config(folder: Path, model: Path, sandbox_url: str) -> Path:
     config["rollout"].update(prompts_per_step=PROMPTS, group_size=GROUP)
     config["loss"]["micro_batch_size"] = 2  # unused: micro-batches come by a token budget
     # Packed token-budget micro-batches (OpenRLHF's ds.packing_samples and train.dynamic_batch_enable): episodes here
-    # are 40-160 tokens, so a micro-batch holds one to a few of them and ranks may need different counts.
+    # are 40-160 tokens, so a micro-batch holds one or two of them, an update takes one or two micro-batches per
+    # rank, and ranks may need different counts.
     config["loss"]["max_tokens_per_micro_batch"] = TOKEN_BUDGET
     # KL-Cov over two updates a step: its selection gathers both ranks' tokens of an update, on two nodes, at every
     # update; the second update is off-policy.

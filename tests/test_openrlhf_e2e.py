@@ -261,7 +261,13 @@ def phases(output: str, total: float) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def trained(coin_model, tmp_path_factory):
     folder = tmp_path_factory.mktemp("openrlhf_e2e")
-    result = run_cli(write_run_config(folder, coin_model, STEPS), folder / "report", folder / "run.log")
+    path = write_run_config(folder, coin_model, STEPS)
+    config = yaml.safe_load(path.read_text())
+    # Up-front dispatch: half the groups are dropped (the gold answers out of reach), so each step sends out twice
+    # what its batch needs, refills as groups finish and stops the groups still generating once it is full.
+    config["rollout"].update(max_dispatch_factor=3.0, initial_keep_rate=0.5)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    result = run_cli(path, folder / "report", folder / "run.log")
     print(f"\nstare-agent rl (openrlhf, {STEPS} steps) timings: {result.phases}")
     assert result.returncode == 0, result.output[-6000:]
     result.folder, result.run_dir, result.report = folder, folder / "runs" / "rl", folder / "report"
@@ -330,13 +336,15 @@ def test_every_step_trained_one_full_batch_and_every_dropped_group_is_counted(tr
     logged = {tag: dict(values) for tag, values in scalars(trained.run_dir).items()}
     kept, consumed = logged["train/rollout/groups_kept"], logged["train/rollout/prompts_consumed"]
     assert kept == {1: 2.0, 2: 2.0}
-    dropped = {
+    others = {
         step: sum(
-            logged[f"train/rollout/groups_dropped_{why}"][step] for why in ("equal", "sandbox", "prompt_too_long")
+            logged[f"train/rollout/groups_{what}"][step]
+            for what in ("dropped_equal", "dropped_sandbox", "dropped_prompt_too_long", "surplus", "cancelled")
         )
         for step in (1, 2)
     }
-    assert all(consumed[step] == kept[step] + dropped[step] for step in (1, 2))
+    assert all(consumed[step] == kept[step] + others[step] for step in (1, 2))
+    assert consumed[1] >= 4  # up-front: 2 groups needed at a keep rate of 1/2
     assert logged["train/rollout/finish_sandbox_error"] == {1: 0.0, 2: 0.0}
     assert "train/finish_sandbox_error" not in logged  # our episode numbers are logged once, under rollout/
     assert "rl: trained 2 of 2 steps; the final model is in" in trained.output

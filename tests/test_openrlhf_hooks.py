@@ -920,6 +920,7 @@ def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
     saved.stare.load_state_dict({"w": 1.37, "m": 0.61, "w_star": 2.5, "last_gate": 1.0, "step": 12})
     saved.step = 12
     trainer = make_trainer(hooks, LocalGroup(rank), saved, args)
+    trainer.samples_generator = NS(keep_rate=0.4, handed=12)  # the last step's keep rate (up-front dispatch)
     client_states = {"episode": 0, "global_step": 12, "total_consumed_prompts": 24, "data_loader_state_dict": {}}
     trainer.save_logs_and_checkpoints(12, {"stare/gate": 1.0}, client_states)
     assert client_states[hooks.CHECKPOINT_KEY] == saved.state_dict()  # in place, for save_best_checkpoint too
@@ -935,9 +936,12 @@ def test_the_controller_state_rides_in_openrlhfs_deepspeed_checkpoint(
     loader, _ = deepspeed_rank(hooks, tmp_path)
     _, loader.checkpoint_states = loader.strategy.load_ckpt(loader.actor.model, str(tmp_path / "_actor"))
     restored = control(StareConfig(w_mode="adaptive"))
-    states = make_trainer(hooks, LocalGroup(loader), restored, args).init_checkpoint_states()
+    resumed = make_trainer(hooks, LocalGroup(loader), restored, args)
+    resumed.samples_generator = NS(keep_rate=1.0, handed=0)
+    states = resumed.init_checkpoint_states()
     assert restored.state_dict() == saved.state_dict()
     assert states["global_step"] == 12
+    assert resumed.samples_generator.keep_rate == 0.4 and resumed.samples_generator.handed == 12
 
 
 def test_without_a_checkpoint_the_controller_starts_fresh(hooks, local_ray, tmp_path):
@@ -1184,9 +1188,56 @@ class ScriptedEngine:
         return [scripted_response(kind, i, prompt, label) for i in range(num_samples)]
 
 
+class TimedEngine:
+    """Stands in for OpenRLHF's vLLM engine actor where timing matters: a real async Ray actor whose
+    `generate_responses` task answers our executor's dicts for the prompt (made here, in the test process) after
+    `delay(prompt)` seconds, recording each prompt it started, finished, or had cancelled (asyncio.CancelledError,
+    as Ray delivers `ray.cancel` to an async actor's task; vLLM's engine aborts the request there)."""
+
+    def __init__(self, ray, delay):
+        import asyncio
+
+        @ray.remote(num_cpus=0)
+        class Engine:
+            def __init__(self):
+                self.log = {"started": [], "finished": [], "cancelled": []}
+
+            def get_num_unfinished_requests(self):
+                return len(self.log["started"]) - len(self.log["finished"]) - len(self.log["cancelled"])
+
+            async def generate_responses(self, prompt, seconds, responses):
+                self.log["started"].append(prompt)
+                try:
+                    await asyncio.sleep(seconds)
+                except asyncio.CancelledError:
+                    self.log["cancelled"].append(prompt)
+                    raise
+                self.log["finished"].append(prompt)
+                return responses
+
+            def report(self):
+                return self.log
+
+        self.actor = Engine.remote()
+        self.get_num_unfinished_requests = self.actor.get_num_unfinished_requests
+
+        def generate(prompt, label, sampling_params, max_length, hf_tokenizer, num_samples, images):
+            kind = prompt.split(":")[0]
+            responses = [scripted_response(kind, i, prompt, label) for i in range(num_samples)]
+            return self.actor.generate_responses.remote(prompt, delay(prompt), responses)
+
+        self.generate_responses = NS(remote=generate)
+
+    def report(self):
+        import ray
+
+        return ray.get(self.actor.report.remote())
+
+
 def fit_run(
-    hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, budget=0, resume_at=0, fraction=0.5, shuffle=True
-):
+    hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, budget=0, resume_at=0, fraction=0.5, shuffle=True,
+    engine=None, **rollout_keys,
+):  # fmt: skip
     """OpenRLHF's real PPOTrainer.fit over our trainer, with a StareSamplesGenerator over a real prompt loader and a
     scripted engine; the update itself (BasePPOTrainer.train_step: DeepSpeed ranks on a GPU) records its batch."""
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer
@@ -1201,6 +1252,7 @@ def fit_run(
     rollout = RolloutConfig(
         prompts_per_step=prompts_per_step, group_size=4, max_prompts_per_step=budget,
         max_sandbox_failure_fraction=fraction, audit_masks=False,  # scripted ids with no tokenizer: nothing to audit
+        **rollout_keys,
     )  # fmt: skip
     config = RLConfig(rollout=rollout, steps=steps)
     args = openrlhf_args(n_samples=4)
@@ -1225,7 +1277,7 @@ def fit_run(
     trainer.use_full_batches(config)  # before the generator exists: PPOTrainer.__init__ (skipped) would make it
     trainer.samples_generator = generator = hooks.StareSamplesGenerator(
         strategy=strategy, prompts_dataloader=loader, eval_dataloader=None, tokenizer=None,
-        vllm_engines=[ScriptedEngine(ray)], steps=steps, rollout=rollout,
+        vllm_engines=[engine or ScriptedEngine(ray)], steps=steps, rollout=rollout,
     )  # fmt: skip
     logged: list[dict] = []
     monkeypatch.setattr(
@@ -1257,6 +1309,47 @@ def test_fit_trains_exactly_steps_full_batches_whatever_the_filter_rate(hooks, l
     schedule = hooks.StarePPOTrainer.get_max_steps  # the LR schedule's length, in optimizer updates
     assert schedule(NS(run_config=NS(steps=3, optim=NS(updates_per_batch=1)))) == 3
     assert schedule(NS(run_config=NS(steps=3, optim=NS(updates_per_batch=4)))) == 12
+
+
+def test_up_front_dispatch_fills_the_batch_and_stops_the_groups_still_generating(hooks, local_ray, monkeypatch):
+    """rollout.max_dispatch_factor 3 from a keep rate of 1/2: the first step dispatches 4 prompts for its 2 groups;
+    once 2 are kept the one still generating (a slow prompt) is cancelled on the engine, counted, and not waited
+    for; the second step dispatches by the first step's keep rate (2 of 3 judged: 3 prompts). Prompts in file
+    order; prompts 3 and 7 take 10 minutes: they never finish within the test."""
+    kinds = ["varied", "flat", "varied", "varied", "varied", "flat", "varied", "flat"]
+    slow = ("problem 3", "problem 7")
+    engine = TimedEngine(local_ray, delay=lambda prompt: 600.0 if prompt.endswith(slow) else 0.05)
+    run = fit_run(
+        hooks, local_ray, monkeypatch, kinds, steps=2, shuffle=False, engine=engine,
+        max_dispatch_factor=3.0, initial_keep_rate=0.5,
+    )  # fmt: skip
+    assert [len(batch) for batch in run.trained] == [8, 8]
+    log = engine.report()
+    prompts = [f"{kind}: problem {i}" for i, kind in enumerate(kinds)]
+    first, second = run.logged
+    assert (first["rollout/prompts_consumed"], first["rollout/groups_cancelled"]) == (4, 1)
+    assert (first["rollout/groups_kept"], first["rollout/groups_dropped_equal"]) == (2, 1)
+    # The second step dispatches 3 up front (prompts 4-6); whether prompt 5's drop comes back before prompt 6 has
+    # finished decides whether prompt 7 goes out too (then it is cancelled: it cannot finish).
+    assert log["started"][:7] == prompts[:7] and log["cancelled"][0] == prompts[3]
+    again = log["started"][7:] == prompts[7:]
+    assert log["cancelled"] == [prompts[3], *([prompts[7]] if again else [])]
+    assert (second["rollout/prompts_consumed"], second["rollout/groups_cancelled"]) == (3 + again, int(again))
+    assert second["rollout/groups_kept"] == 2 and second["rollout/groups_dropped_equal"] == 1
+    assert run.generator.keep_rate == pytest.approx(2 / 3)
+    for batch in run.trained:
+        assert all(sample.prompts[0].startswith("varied") for sample in batch)
+
+
+def test_without_up_front_dispatch_each_dropped_group_is_replaced_by_one_prompt(hooks, local_ray, monkeypatch):
+    """max_dispatch_factor 1 (the default): 2 prompts for 2 groups, then one new prompt per dropped group, as
+    OpenRLHF's own generator does; nothing is cancelled."""
+    kinds = ["varied", "flat", "flat", "varied", "varied", "varied"]
+    engine = TimedEngine(local_ray, delay=lambda prompt: 0.05)
+    run = fit_run(hooks, local_ray, monkeypatch, kinds, steps=1, shuffle=False, engine=engine)
+    log = engine.report()
+    assert log["started"] == [f"{kind}: problem {i}" for i, kind in enumerate(kinds)][:4] and not log["cancelled"]
+    assert run.logged[0]["rollout/prompts_consumed"] == 4 and run.logged[0]["rollout/groups_dropped_equal"] == 2
 
 
 def test_both_backends_log_the_same_rollout_metrics_for_the_same_episodes(hooks, local_ray, monkeypatch):

@@ -77,7 +77,6 @@ def test_argv_spelling():
             ["loss.max_tokens_per_micro_batch=4096", "openrlhf.ds.zero_stage=3", "openrlhf.ds.packing_samples=true"],
             "set by our loss.max_tokens",
         ),
-        ("rollout.max_dispatch_factor=2", "up-front dispatch is the local backend's"),
         ("openrlhf.eval.dataset=/data/aime.jsonl", "evaluate the saved checkpoints with `stare-agent eval`"),
     ],
 )

@@ -53,7 +53,7 @@ from stare_agent import protocol, snapshots
 from stare_agent.audit import audit_trained
 from stare_agent.backends.openrlhf import resume, updates, upstream
 from stare_agent.backends.openrlhf.episodes import config_from_env
-from stare_agent.batching import EPISODE_STATS, BatchFill
+from stare_agent.batching import EPISODE_STATS, BatchFill, dispatch_count
 from stare_agent.config import RLConfig, RolloutConfig
 from stare_agent.entropy_control import (
     ADVANTAGE_METHODS,
@@ -78,6 +78,10 @@ ORIGINAL_TRAINER = _trainer_module.PPOTrainer
 
 CHECKPOINT_KEY = "stare_controller"
 """Key of the controller's state_dict in the DeepSpeed checkpoint's client_states."""
+KEEP_RATE_KEY = "stare_keep_rate"
+"""Key of the sample generator's keep rate (up-front dispatch) in the same client_states."""
+CANCEL_WAIT_S = 120.0
+"""How long a step waits for the groups it cancelled once its batch was full to end on the engines."""
 
 
 def unsupported(ds_args: Any) -> list[str]:
@@ -278,35 +282,20 @@ def _processed_logprobs(create: Any) -> Any:
     return create_vllm_engines
 
 
-class _PromptStream:
-    """The prompt loader's items as OpenRLHF's generator draws them, for one step: endless passes over the loader
-    (a finished pass starts the next), ending (StopIteration) once the step has drawn `budget` prompts."""
-
-    def __init__(self, owner: StareSamplesGenerator, budget: int):
-        self.owner, self.budget, self.drawn = owner, budget, 0
-
-    def __iter__(self) -> _PromptStream:
-        return self
-
-    def __next__(self) -> Any:
-        if self.drawn >= self.budget:
-            raise StopIteration
-        item = self.owner.next_prompt()
-        self.drawn += 1
-        return item
-
-
 class StareSamplesGenerator(_samples_module.SamplesGenerator):
     """OpenRLHF's sample generator, handing `fit` only full batches, exactly `steps` of them (stare_agent/batching).
 
     OpenRLHF 0.11.2 gives fit whatever its prompt budget leaves (a partial last batch, which DeepSpeed never
-    steps on) and stops when one pass over the prompts is done. Here each call fills one batch of
-    rollout.prompts_per_step groups through OpenRLHF's own `_generate_vllm` (dispatch, dynamic filtering and
-    one-at-a-time refills unchanged) from an endless prompt stream capped at the step's prompt budget, counts
-    every dropped group by reason (OpenRLHF drops them without a trace), and stops the run, by returning no
-    samples and `exhausted`, when the budget ran out before the batch was full; the last of `steps` batches is
-    returned with `exhausted`, so fit trains it and ends. A step with too many sandbox failures raises
-    SandboxFailures (it propagates out of fit and stops the run). Built by `replacing` the trainer's generator.
+    steps on), stops when one pass over the prompts is done, and replaces a dropped group by one new prompt only
+    once that group has finished, so a step at a low keep rate ends with refills generated one after another.
+    Here each call fills one batch of rollout.prompts_per_step groups from endless passes over the prompts
+    (`fill_batch`): prompts are dispatched up front by the recent keep rate and, as each group finishes, by what
+    the batch still needs counting the groups in flight (batching.dispatch_count), each group is judged by
+    batching's rule, and once the batch is full the groups still generating are stopped. Every group is counted
+    by its verdict; the run stops, by returning no samples and `exhausted`, when the step's prompt budget ran out
+    before the batch was full; the last of `steps` batches is returned with `exhausted`, so fit trains it and
+    ends. A step with too many sandbox failures raises SandboxFailures (it propagates out of fit and stops the
+    run). Built by `replacing` the trainer's generator.
     """
 
     def __init__(
@@ -319,11 +308,13 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
         """The agent's system prompt: the mask audit rebuilds each sample's prompt ids with it."""
         self.handed = 0
         """Full batches handed to fit so far in this run (the checkpoint's global_step on resume)."""
+        self.keep_rate = rollout.initial_keep_rate
+        """The last step's share of judged groups that were kept (rollout.initial_keep_rate before the first)."""
         self.stop_reason = ""
         self.fill_metrics: dict[str, float] = {}
         """The last batch's rollout/ metrics (batching.BatchFill.metrics), added to that step's logs."""
         self._loader_iter: Any = None
-        self._seen: list[dict[str, float]] = []  # per sample, kept or dropped: its batching.episode_stats
+        self._seen: list[dict[str, float]] = []  # the group being judged: each sample's batching.episode_stats
 
     @classmethod
     def replacing(cls, generator: Any, config: RLConfig) -> StareSamplesGenerator:
@@ -354,32 +345,70 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
             return [], None, 0, True
         r = self.rollout
         fill = BatchFill(r.prompts_per_step, r.prompt_budget, r.max_sandbox_failure_fraction)
-        self._seen = []
         if self.args.vllm.enable_sleep:
             _samples_module.batch_vllm_engine_call(self.vllm_engines, "wake_up")
         try:
-            experiences, consumed, _ = self._generate_vllm(
-                _PromptStream(self, fill.budget), fill.target, dynamic_filtering=True, **generate_kwargs
-            )
+            experiences = self.fill_batch(fill, **generate_kwargs)
         finally:
             if self.args.vllm.enable_sleep:
                 _samples_module.batch_vllm_engine_call(self.vllm_engines, "sleep")
-        n = r.group_size
-        for g in range(0, len(self._seen), n):
-            fill.add_group(self._seen[g : g + n], drop_equal=r.dynamic_sampling)
-        if fill.kept * n != len(experiences) or fill.consumed != consumed:
-            raise RuntimeError(
-                f"STARE hooks: OpenRLHF kept {len(experiences)} samples of {consumed} prompts, but its groups' "
-                f"verdicts keep {fill.kept * n} of {fill.consumed}: the dynamic filter and stare_agent.batching "
-                "disagree (rewards other than 0 and 1?)"
-            )
+        self.keep_rate = fill.keep_rate() or self.keep_rate
         self.fill_metrics = fill.metrics()
         fill.check_sandbox()
         if not fill.full:
             self.stop_reason = fill.why_not_full()
-            return [], None, consumed, True
+            return [], None, fill.consumed, True
         self.handed += 1
-        return experiences, 100.0 * fill.kept / fill.consumed, consumed, self.handed >= self.steps
+        return experiences, 100.0 * fill.kept / fill.consumed, fill.consumed, self.handed >= self.steps
+
+    def fill_batch(self, fill: BatchFill, **generate_kwargs: Any) -> list:
+        """The kept groups' samples of one step, in the order their groups finished; `fill` counts every group.
+
+        Dispatches `batching.dispatch_count` prompts up front and again after each finished group that leaves the
+        batch short, OpenRLHF's way (`_dispatch_prompts_to_vllm`: load-balanced over the engines, one Ray task per
+        prompt's group). Once the batch is full the groups still generating are cancelled (vLLM aborts their
+        requests, the executor closes their sandbox sessions) and waited for, so that no engine is still busy
+        with them when the update (or the engines' sleep) comes."""
+        r = self.rollout
+        pending: list = []
+        dispatched = 0
+        kept: list = []
+
+        def dispatch() -> None:
+            nonlocal dispatched
+            count = dispatch_count(
+                fill.target - fill.kept, fill.budget - dispatched, self.keep_rate, r.max_dispatch_factor, len(pending)
+            )
+            for _ in range(count):
+                _, prompts, labels, images = self.next_prompt()
+                pending.extend(self._dispatch_prompts_to_vllm(prompts, labels, images=images, **generate_kwargs))
+            dispatched += count
+
+        dispatch()
+        while pending and not fill.full:
+            ready, pending[:] = ray.wait(pending, num_returns=1, timeout=10.0)
+            for ref in ready:
+                verdict, group = self._judge(ref, fill, generate_kwargs)
+                if verdict == "kept":
+                    kept.extend(group)
+            if not fill.full:
+                dispatch()
+        if pending:  # the batch is full: what has finished by now is judged (surplus or dropped), the rest stopped
+            done, running = ray.wait(pending, num_returns=len(pending), timeout=0)
+            for ref in done:
+                self._judge(ref, fill, generate_kwargs)
+            for ref in running:
+                ray.cancel(ref)
+                fill.cancel()
+            if running:
+                ray.wait(running, num_returns=len(running), timeout=CANCEL_WAIT_S)
+        return kept
+
+    def _judge(self, ref: Any, fill: BatchFill, generate_kwargs: dict) -> tuple[str, list]:
+        """One finished prompt's group: its samples as Experiences, and its verdict, counted in `fill`."""
+        self._seen = []
+        group = [self._process_response_into_experience(resp, **generate_kwargs) for resp in ray.get(ref)]
+        return fill.add_group(self._seen, drop_equal=self.rollout.dynamic_sampling), group
 
     def _process_response_into_experience(self, response: dict, **generate_kwargs: Any) -> Any:
         # Called for every sample OpenRLHF receives, kept or filtered, a prompt's group together: the verdicts and
@@ -484,6 +513,8 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
         # In place: fit() hands the same dict to save_best_checkpoint afterwards.
         client_states = {} if client_states is None else client_states
         client_states[CHECKPOINT_KEY] = self.control.state_dict()
+        if hasattr(self, "samples_generator"):
+            client_states[KEEP_RATE_KEY] = self.samples_generator.keep_rate
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
         if global_step % self.args.ckpt.save_steps == 0:  # OpenRLHF's condition for the save above
             # OpenRLHF rotates its DeepSpeed checkpoints (ckpt.max_num) but keeps every `global_stepN_hf` snapshot. The
@@ -507,6 +538,7 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
         self.steps_trained = states.get("global_step", 0)
         if hasattr(self, "samples_generator"):
             self.samples_generator.handed = self.steps_trained
+            self.samples_generator.keep_rate = states.get(KEEP_RATE_KEY, self.samples_generator.keep_rate)
         return states
 
 

@@ -144,11 +144,6 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
         )
     problems = local_only_problems(config.model, config.run)
-    if config.rollout.max_dispatch_factor != 1:
-        problems.append(
-            f"rollout.max_dispatch_factor={config.rollout.max_dispatch_factor}: up-front dispatch is the local "
-            "backend's; the openrlhf backend dispatches what the batch still needs"
-        )
     zero_stage = config.openrlhf.get("ds.zero_stage", 2)
     if config.loss.max_tokens_per_micro_batch and zero_stage != 3:
         problems.append(
