@@ -13,10 +13,13 @@ backward), over the same episodes cut into micro-batches both ways: `--micro` ro
 (what the trainer does without a budget), and `--budget`-token packed rows (`common.token_budget_micro_batches`).
 Each repeat times both, in alternating order, so drift in the machine's load is shared.
 
-Episodes: `--episodes` lengths drawn log-uniformly between `--min-len` and `--max-len` (seeded), random token ids.
-The defaults, 96 to 2048 tokens, are the 300 to 8k range of the paper's multi-turn episodes scaled by 1/4 so that
-the padded attention fits this machine's memory; the spread, not the scale, is what padding costs. Model: the lab's
-Qwen2 architecture at `--hidden`/`--layers` (random weights, sdpa attention, fp32, vocabulary 2048).
+Episodes (random token ids, lengths seeded): `--lengths recorded` (the default) draws them from the 2,048 episodes
+of a recorded run (`RECORDED`: the SFT model's evaluation in docs/experiments/collapse, multi-turn episodes with 0-4
+tool calls under a 512-token budget), each response length scaled by `--max-len` / 512, i.e. the run's budget
+stretched to `--max-len`; `--lengths log-uniform` draws them log-uniformly between `--min-len` and `--max-len`.
+The default `--max-len` 2048 is the 8k budget scaled by 1/4 so that the padded attention fits this machine's
+memory; the spread, not the scale, is what padding costs. Model: the lab's Qwen2 architecture at
+`--hidden`/`--layers` (random weights, sdpa attention, fp32, vocabulary 2048).
 
 Results: OUT/results.json (settings, every timing) and OUT/results.md. No thresholds: the script reports.
 """
@@ -37,12 +40,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import cpu_snapshot, other_cores  # noqa: E402
 
+RECORDED = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "collapse" / "eval-sft" / "test.json"
+"""A recorded run's episodes: per problem, `response_lengths` of its 16 samples (tokens after the prompt)."""
+RECORDED_BUDGET = 512
+"""That run's episode budget (agent.max_total_tokens in the config beside it)."""
+
 
 def episode_lengths(count: int, low: int, high: int, seed: int) -> list[int]:
     """`count` lengths drawn log-uniformly in [low, high]."""
     g = torch.Generator().manual_seed(seed)
     logs = torch.empty(count).uniform_(math.log(low), math.log(high), generator=g)
     return [int(round(math.exp(float(x)))) for x in logs]
+
+
+def recorded_lengths(count: int, high: int, seed: int, low: int = 16) -> list[int]:
+    """`count` lengths drawn (with replacement, seeded) from RECORDED's episodes, each scaled by high /
+    RECORDED_BUDGET and kept within [low, high]."""
+    recorded = json.loads(RECORDED.read_text())
+    pool = [n for problem in recorded["problems"] for n in problem["response_lengths"]]
+    picks = torch.randint(len(pool), (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [min(high, max(low, round(pool[i] * high / RECORDED_BUDGET))) for i in picks]
+
+
+def lengths_of(args: argparse.Namespace) -> list[int]:
+    if args.lengths == "recorded":
+        return recorded_lengths(args.episodes, args.max_len, args.seed)
+    return episode_lengths(args.episodes, args.min_len, args.max_len, args.seed)
 
 
 def padded_batch(lengths: list[int], vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
         num_layers=args.layers, intermediate_size=3 * args.hidden, max_position_embeddings=max(4096, args.max_len),
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
-    lengths = episode_lengths(args.episodes, args.min_len, args.max_len, args.seed)
+    lengths = lengths_of(args)
     ids, attention = padded_batch(lengths, model.config.vocab_size, args.seed)
     modes = {mode: micro_batches(lengths, mode, args.micro, args.budget) for mode in ("padded", "packed")}
     time_passes(model, ids, attention, modes["packed"][:1], True)  # warm-up of both paths
@@ -144,7 +167,8 @@ def markdown(result: dict) -> str:
     s, summary, ratios = result["settings"], result["summary"], result["padded_over_packed"]
     lengths = result["lengths"]
     lines = [
-        f"{lengths['count']} episodes of {lengths['min']}-{lengths['max']} tokens (median {lengths['median']}), "
+        f"{lengths['count']} {s['lengths']} episodes of {lengths['min']}-{lengths['max']} tokens (median "
+        f"{lengths['median']}), "
         f"hidden {s['hidden']}, {s['layers']} layers, {s['repeats']} repeats (medians); padded: {s['micro']} rows "
         f"per micro-batch; packed: {s['budget']} tokens per row. Other processes kept "
         f"{result['other_cores_busy'] or 0:.2f} cores busy.",
@@ -167,6 +191,7 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--lengths", choices=("recorded", "log-uniform"), default="recorded")
     parser.add_argument("--episodes", type=int, default=32)
     parser.add_argument("--min-len", type=int, default=96)
     parser.add_argument("--max-len", type=int, default=2048)

@@ -20,8 +20,18 @@ def test_lengths_are_seeded_and_within_the_range():
     assert lengths == bench.episode_lengths(50, 96, 2048, seed=3) and min(lengths) >= 96 and max(lengths) <= 2048
 
 
+def test_recorded_lengths_are_a_recorded_runs_episodes_scaled_to_the_budget():
+    lengths = bench.recorded_lengths(400, 2048, seed=1)
+    assert lengths == bench.recorded_lengths(400, 2048, seed=1) and min(lengths) >= 16 and max(lengths) <= 2048
+    recorded = json.loads(bench.RECORDED.read_text())
+    pool = {n for problem in recorded["problems"] for n in problem["response_lengths"]}
+    assert set(lengths) <= {min(2048, max(16, m * 2048 // bench.RECORDED_BUDGET)) for m in pool}
+    assert len(set(lengths)) > 20  # the recorded spread, not one length
+
+
 def test_a_tiny_run_reports_the_computed_tokens_of_each_way(tmp_path):
-    tiny = ["--episodes", "6", "--min-len", "20", "--max-len", "120", "--micro", "4", "--budget", "200"]
+    tiny = ["--lengths", "log-uniform", "--episodes", "6", "--min-len", "20", "--max-len", "120", "--micro", "4",
+            "--budget", "200"]  # fmt: skip
     bench.main(["--out", str(tmp_path), *tiny, "--hidden", "128", "--layers", "1", "--repeats", "1", "--threads", "1"])
     result = json.loads((tmp_path / "results.json").read_text())
     lengths = bench.episode_lengths(6, 20, 120, seed=0)
