@@ -1341,6 +1341,20 @@ def test_up_front_dispatch_fills_the_batch_and_stops_the_groups_still_generating
         assert all(sample.prompts[0].startswith("varied") for sample in batch)
 
 
+def test_without_dynamic_sampling_equal_groups_are_trained_and_sandbox_failures_still_dropped(
+    hooks, local_ray, monkeypatch
+):
+    """rollout.dynamic_sampling false: a group of equal rewards is trained; a group with a sandbox failure is not
+    (its episodes were never scored), and is refilled."""
+    run = fit_run(hooks, local_ray, monkeypatch, ["flat", "broken", "varied"], steps=1, shuffle=False,
+                  dynamic_sampling=False)  # fmt: skip
+    [batch] = run.trained
+    assert [sample.prompts[0].split(":")[0] for sample in batch] == ["flat"] * 4 + ["varied"] * 4
+    logged = run.logged[0]
+    assert (logged["rollout/groups_kept"], logged["rollout/groups_dropped_sandbox"]) == (2, 1)
+    assert logged["rollout/groups_dropped_equal"] == 0 and logged["rollout/prompts_consumed"] == 3
+
+
 def test_without_up_front_dispatch_each_dropped_group_is_replaced_by_one_prompt(hooks, local_ray, monkeypatch):
     """max_dispatch_factor 1 (the default): 2 prompts for 2 groups, then one new prompt per dropped group, as
     OpenRLHF's own generator does; nothing is cancelled."""

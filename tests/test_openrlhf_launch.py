@@ -58,7 +58,6 @@ def test_argv_spelling():
         ("openrlhf.ds.ring_attn_size=2", "ring attention needs flash-attention kernels"),
         ("openrlhf.ckpt.disable_ds=true", "controller's state is saved in the DeepSpeed checkpoint"),
         ("openrlhf.actor.entropy_coef=0.0", "the adaptive one is entropy_control.method=entropy_bonus"),
-        ("rollout.dynamic_sampling=false", "a group with a sandbox failure is dropped through OpenRLHF's dynamic"),
         ("resume=/elsewhere", "resumes from its own checkpoints"),
         ("openrlhf.train.dynamic_batch_enable=true", "set by our loss.max_tokens_per_micro_batch"),
         ("openrlhf.train.max_tokens_per_gpu=4096", "set by our loss.max_tokens_per_micro_batch"),
@@ -160,7 +159,7 @@ def test_deepspeed_accumulates_backward_passes_without_gradient_accumulation_ste
 
 
 def test_allowed_passthrough_is_kept():
-    cfg = config("openrlhf.vllm.num_engines=8", "openrlhf.train.async_enable=false")
+    cfg = config("openrlhf.vllm.num_engines=8", "openrlhf.train.async_enable=false", "rollout.dynamic_sampling=false")
     check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))  # no error
 
 

@@ -13,10 +13,10 @@ Everything here is the episode of `stare_agent.agent.run_episode`; this module o
 - `to_response`: an EpisodeResult as the dict OpenRLHF consumes. Observation ids (tool output, tags
   included) are separate segments outside `action_ranges`, so they are 0 in OpenRLHF's action mask (its
   loss, KL and entropy mask).
-- `ReToolExecutor`: the executor itself. A sandbox infrastructure failure drops the prompt's whole group:
-  `scores` is NaN, so OpenRLHF's dynamic filtering (`not min < mean < max`) rejects the group and refills it
-  from the prompt loader; the launcher therefore refuses rollout.dynamic_sampling=false. A failure is never
-  scored as a wrong answer.
+- `ReToolExecutor`: the executor itself. A sandbox infrastructure failure drops the prompt's whole group: the
+  sample generator (hooks.StareSamplesGenerator) judges each group by stare_agent/batching's rule, which drops
+  it whatever rollout.dynamic_sampling says, and refills it; `scores` is NaN besides, so no filter of OpenRLHF's
+  could keep it. A failure is never scored as a wrong answer.
 
 The executor is built with no arguments in every engine actor, possibly on another node, so our config comes
 through the environment: `STARE_AGENT_RL_CONFIG` holds the whole RLConfig as JSON (`config_env`). JSON in the

@@ -138,11 +138,6 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             f"resume={config.resume!r}: with backend openrlhf a run resumes from its own checkpoints "
             "(resume=auto); OpenRLHF has no option to resume from another folder"
         )
-    if not config.rollout.dynamic_sampling:
-        raise ConfigError(
-            "rollout.dynamic_sampling=false is refused with backend openrlhf: a group with a sandbox failure is "
-            "dropped through OpenRLHF's dynamic filtering (a NaN score), so without it that group would be trained on"
-        )
     problems = local_only_problems(config.model, config.run)
     zero_stage = config.openrlhf.get("ds.zero_stage", 2)
     if config.loss.max_tokens_per_micro_batch and zero_stage != 3:
