@@ -318,9 +318,11 @@ class PolicyLossConfig:
     micro_batch_size: int = 16
     """Sequences per forward/backward in the reference pass and the update (padded to the batch's longest)."""
     max_tokens_per_micro_batch: int = 0
-    """Local backend: > 0 = micro-batches by a token budget instead: consecutive episodes packed into one row of at
-    most this many tokens (an episode longer than that alone), no padding computed, attention kept within each
-    episode (docs/local_backend.md); the results equal the padded ones to float rounding. 0 = micro_batch_size rows."""
+    """> 0 = micro-batches by a token budget instead, packed: no padding computed, attention kept within each
+    episode; the results equal the padded ones to float rounding. Local backend: consecutive episodes in one row of
+    at most this many tokens (an episode longer than that alone; docs/local_backend.md). openrlhf backend: OpenRLHF's
+    token-budget micro-batches (train.dynamic_batch_enable, ds.packing_samples), ZeRO-3 only; there the budget is
+    a target, not a cap (docs/cluster.md). 0 = micro_batch_size rows."""
 
     def __post_init__(self) -> None:
         if self.eps_low <= 0 or self.eps_high <= 0 or self.micro_batch_size < 1:
