@@ -82,3 +82,12 @@ def run_worker(script: str, spec: dict) -> tuple[dict, Any]:
         if proc.returncode != 0:
             raise RuntimeError(f"worker {spec} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1]), torch.load(out_path)
+
+
+def write_results(out: str | Path, result: dict, markdown: str) -> None:
+    """A benchmark's results: OUT/results.json (everything) and OUT/results.md (the table), printed too."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "results.md").write_text(markdown)
+    print(markdown)

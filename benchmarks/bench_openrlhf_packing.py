@@ -32,7 +32,6 @@ Results: OUT/results.json (settings, every timing) and OUT/results.md. No thresh
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -43,8 +42,8 @@ from types import SimpleNamespace as NS
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import cpu_snapshot, other_cores  # noqa: E402
-from bench_packing import lengths_of  # noqa: E402
+from _machine import cpu_snapshot, other_cores, write_results  # noqa: E402
+from bench_packing import add_arguments, lengths_of  # noqa: E402
 
 MODES = ("padded", "packed", "budget")
 
@@ -193,26 +192,12 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--lengths", choices=("recorded", "log-uniform"), default="recorded")
-    parser.add_argument("--episodes", type=int, default=32)
-    parser.add_argument("--min-len", type=int, default=96, help="log-uniform lengths only")
-    parser.add_argument("--max-len", type=int, default=2048)
+    add_arguments(parser)
     parser.add_argument("--micro", type=int, default=4, help="samples per padded or packed micro-batch")
-    parser.add_argument("--budget", type=int, default=4096, help="tokens per micro-batch (budget mode)")
     parser.add_argument("--ranks", type=int, default=1, help="the budget split's count is a multiple of this")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = run(args)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import cpu_snapshot, other_cores  # noqa: E402
+from _machine import cpu_snapshot, other_cores, write_results  # noqa: E402
 
 RECORDED = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "collapse" / "eval-sft" / "test.json"
 """A recorded run's episodes: per problem, `response_lengths` of its 16 samples (tokens after the prompt)."""
@@ -188,27 +188,28 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The episodes, model, repeats and output options both packing benchmarks take (bench_openrlhf_packing.py)."""
     parser.add_argument("--out", required=True)
     parser.add_argument("--lengths", choices=("recorded", "log-uniform"), default="recorded")
     parser.add_argument("--episodes", type=int, default=32)
-    parser.add_argument("--min-len", type=int, default=96)
+    parser.add_argument("--min-len", type=int, default=96, help="log-uniform lengths only")
     parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--micro", type=int, default=4, help="rows per padded micro-batch (loss.micro_batch_size)")
-    parser.add_argument("--budget", type=int, default=4096, help="tokens per packed row")
+    parser.add_argument("--budget", type=int, default=4096, help="tokens per packed micro-batch")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--micro", type=int, default=4, help="rows per padded micro-batch (loss.micro_batch_size)")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = run(args)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(markdown(result))
-    print(markdown(result))
+    write_results(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":
