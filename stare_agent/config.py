@@ -215,6 +215,17 @@ class SFTConfig:
     """backend openrlhf: OpenRLHF's own flags, spelled as its CLI spells them without the leading '--'
     (`ds.zero_stage: 3`), passed through verbatim and checked by its parser; keys we set are refused here."""
 
+    IN_FLIGHT_KEYS: ClassVar[str] = "rollout.prompts_per_step x rollout.group_size (x rollout.max_dispatch_factor)"
+    """The keys that set `stateful_episodes_in_flight`, for the messages that name them."""
+
+    @property
+    def stateful_episodes_in_flight(self) -> int:
+        """Episodes a step may have in flight at once that each hold a sandbox session (an in-process kernel): every
+        episode of the groups being generated in stateful tool mode, none in stateless mode."""
+        if self.agent.tool_mode != "stateful":
+            return 0
+        return self.rollout.max_groups_in_flight * self.rollout.group_size
+
     def __post_init__(self) -> None:
         _check_backend(self.backend, self.openrlhf)
         for name in ("epochs", "micro_batch_size", "grad_accum", "log_every"):
@@ -261,7 +272,8 @@ class RolloutConfig:
     groups are replaced in the same round instead of one refill after another. Groups kept after the batch is full
     are not trained and are counted (rollout/groups_surplus); their prompts count as consumed. 1 = dispatch exactly
     what the batch still needs. The openrlhf backend dispatches again as each group finishes, counting the groups
-    in flight, and stops the groups still generating once the batch is full (rollout/groups_cancelled)."""
+    in flight, and stops the groups still generating once the batch is full (rollout/groups_cancelled). The sandbox
+    is sized for the groups this keeps out (max_groups_in_flight x group_size stateful episodes)."""
     initial_keep_rate: float = 1.0
     """The keep rate up-front dispatch assumes at a run's first step (later steps use the last step's)."""
     max_sandbox_failure_fraction: float = 0.5
@@ -280,6 +292,13 @@ class RolloutConfig:
     def prompt_budget(self) -> int:
         """Prompts one step may consume (max_prompts_per_step, or its default)."""
         return self.max_prompts_per_step or 8 * self.prompts_per_step
+
+    @property
+    def max_groups_in_flight(self) -> int:
+        """Groups a step may be generating at once: prompts_per_step, or with up-front dispatch up to
+        max_dispatch_factor times it (batching.dispatch_count never has more out), within the prompt budget."""
+        ahead = int(self.max_dispatch_factor * self.prompts_per_step)
+        return min(self.prompt_budget, max(self.prompts_per_step, ahead))
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2 or self.batch_size < 1:
@@ -375,6 +394,17 @@ class RLConfig:
     openrlhf: dict[str, Any] = field(default_factory=dict)
     """backend openrlhf: OpenRLHF's own flags, spelled as its CLI spells them without the leading '--'
     (`vllm.num_engines: 8`), passed through verbatim and checked by its parser; keys we set are refused here."""
+
+    IN_FLIGHT_KEYS: ClassVar[str] = "rollout.prompts_per_step x rollout.group_size (x rollout.max_dispatch_factor)"
+    """The keys that set `stateful_episodes_in_flight`, for the messages that name them."""
+
+    @property
+    def stateful_episodes_in_flight(self) -> int:
+        """Episodes a step may have in flight at once that each hold a sandbox session (an in-process kernel): every
+        episode of the groups being generated in stateful tool mode, none in stateless mode."""
+        if self.agent.tool_mode != "stateful":
+            return 0
+        return self.rollout.max_groups_in_flight * self.rollout.group_size
 
     def __post_init__(self) -> None:
         _check_backend(self.backend, self.openrlhf)

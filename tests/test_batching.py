@@ -146,3 +146,19 @@ def test_episode_stats_and_the_step_s_rollout_metrics():
     assert metrics["rollout/reward"] == pytest.approx(2 / 3)  # over the 3 scored episodes
     assert metrics["rollout/sampled_tokens"] == pytest.approx(9 / 4)  # over all 4, the dropped group's too
     assert metrics["rollout/prompt_too_long"] == 0.25 and metrics["rollout/finish_answer"] == 0.75
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.5, 2.0, 3.0, 8.0])
+def test_a_step_never_has_more_groups_out_than_its_config_says(factor):
+    """Whatever the keep rate and however the groups come back, what dispatch_count keeps out never exceeds
+    RolloutConfig.max_groups_in_flight, which sizes the sandbox (stateful episodes in flight)."""
+    from stare_agent.config import RolloutConfig
+
+    rollout = RolloutConfig(prompts_per_step=5, group_size=2, max_dispatch_factor=factor, max_prompts_per_step=30)
+    bound = rollout.max_groups_in_flight
+    assert bound == min(30, max(5, int(factor * 5)))
+    for rate in (1.0, 0.7, 0.5, 0.2, 0.01):
+        for kept in range(5):
+            for in_flight in range(bound + 1):
+                new = dispatch_count(5 - kept, 30 - in_flight, rate, factor, in_flight)  # in flight: dispatched
+                assert in_flight + new <= max(bound, in_flight), (rate, kept, in_flight, new)

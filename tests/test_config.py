@@ -251,3 +251,13 @@ def test_a_copy_installed_inside_another_repository_is_not_given_its_commit(tmp_
         "changed": ["f"],
         "changed_count": 1,
     }
+
+
+def test_stateful_episodes_in_flight_count_the_groups_dispatched_ahead():
+    base = ["rollout.prompts_per_step=4", "rollout.group_size=8"]
+    assert load_config(RLConfig, None, base).stateful_episodes_in_flight == 32
+    ahead = load_config(RLConfig, None, [*base, "rollout.max_dispatch_factor=2.5"])
+    assert ahead.rollout.max_groups_in_flight == 10 and ahead.stateful_episodes_in_flight == 80
+    capped = load_config(RLConfig, None, [*base, "rollout.max_dispatch_factor=3", "rollout.max_prompts_per_step=9"])
+    assert capped.stateful_episodes_in_flight == 72  # the step's prompt budget
+    assert load_config(RLConfig, None, [*base, "agent.tool_mode=stateless"]).stateful_episodes_in_flight == 0

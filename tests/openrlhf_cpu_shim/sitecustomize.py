@@ -42,6 +42,12 @@ OpenRLHF's side runs unchanged (process-group layout, the per-parameter calls, Z
 barriers). With STARE_SHIM_REPORT_DIR set, each sync saves one engine parameter before and after it, so the test
 can check that the engine ends up with exactly the trained weights. With STARE_SHIM_DROP_SYNC=1 the engine receives
 every parameter and loads none (a sync that did not reach the engine, for the GPU check's verdict test).
+
+ENGINE LOAD, a report only and off unless STARE_SHIM_ENGINE_LOAD_S (seconds between samples, e.g. 0.02) and
+STARE_SHIM_REPORT_DIR are set (benchmarks/bench_dispatch.py): each vLLM engine actor's AsyncLLM samples its number
+of unfinished requests from a daemon thread into engine-load-<pid>.tsv, and the trainer notes when each step's
+generation ended (generation_ends.jsonl), so that the engine's idle time within each step's generation can be
+measured. Neither changes what the run does.
 """
 
 from __future__ import annotations
@@ -311,6 +317,67 @@ def _patch_actor_model(module):
     module.Actor.__init__ = __init__
 
 
+def _engine_load_period():
+    """Seconds between the engine-load report's samples; None (no report, the default) unless both
+    STARE_SHIM_ENGINE_LOAD_S and STARE_SHIM_REPORT_DIR are set."""
+    period = os.environ.get("STARE_SHIM_ENGINE_LOAD_S")
+    if not period or not os.environ.get("STARE_SHIM_REPORT_DIR"):
+        return None
+    return float(period)
+
+
+def _patch_async_llm(module):
+    # A report only (ENGINE LOAD in the module docstring): each vLLM engine actor (trainer/ray/vllm_engine.py:34,
+    # RolloutRayActor) builds one AsyncLLM (:64) and counts its requests with get_num_unfinished_requests (:179,
+    # `output_processor.get_num_unfinished_requests()`); a daemon thread samples that count for the engine's life.
+    # Hooked here, not in the actor class: `@ray.remote` (at import) makes the actor class a subclass holding
+    # wrappers of the methods as they were then (ray/actor.py _make_actor), so a later patch of __init__ never runs.
+    period = _engine_load_period()
+    if period is None:
+        return
+    import functools
+    import threading
+
+    init = module.AsyncLLM.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        path = os.path.join(os.environ["STARE_SHIM_REPORT_DIR"], f"engine-load-{os.getpid()}.tsv")
+        threading.Thread(target=_sample_engine_load, args=(self, period, path), daemon=True).start()
+
+    module.AsyncLLM.__init__ = __init__
+
+
+def _sample_engine_load(engine, period, path):
+    """Lines of `time.time()<TAB>unfinished requests`, every `period` seconds while the engine process lives
+    (line-buffered: a process ended by a signal leaves whole lines)."""
+    import time
+
+    with open(path, "a", buffering=1) as out:
+        while True:
+            out.write(f"{time.time():.6f}\t{engine.output_processor.get_num_unfinished_requests()}\n")
+            time.sleep(period)
+
+
+def _patch_ppo_trainer(module):
+    # A report only (ENGINE LOAD): trainer/ppo_trainer.py:529-533 times each step's generation
+    # (timing/generation) and calls train_step (:213) right after it; the time train_step starts is when that
+    # generation ended, so the window is [that - timing/generation, that]. Reached through the hooks' trainer
+    # (StarePPOTrainer.train_step calls super().train_step; it is made a Ray actor after this patch).
+    if _engine_load_period() is None:
+        return
+    import time
+
+    train_step = module.BasePPOTrainer.train_step
+
+    def train_step_and_report(self, rollout_samples, global_step):
+        _report_line("generation_ends.jsonl", {"step": global_step + 1, "time": time.time()})
+        return train_step(self, rollout_samples, global_step)
+
+    module.BasePPOTrainer.train_step = train_step_and_report
+
+
 def _report_line(name, record):
     """A report only: one JSON line appended to $STARE_SHIM_REPORT_DIR/name, with the process and its rank."""
     folder = os.environ.get("STARE_SHIM_REPORT_DIR")
@@ -335,6 +402,8 @@ PATCHES = {
     "openrlhf.utils.distributed_util": _patch_distributed_util,
     "openrlhf.trainer.ppo_utils.replay_buffer": _patch_replay_buffer,
     "openrlhf.trainer.ray.ppo_actor": _patch_ppo_actor,
+    "vllm.v1.engine.async_llm": _patch_async_llm,
+    "openrlhf.trainer.ppo_trainer": _patch_ppo_trainer,
     "openrlhf.trainer.ray.vllm_worker_wrap": _patch_worker_wrap,
     "vllm": _patch_vllm,
 }

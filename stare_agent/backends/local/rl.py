@@ -567,11 +567,11 @@ class Trainer:
 
     async def train(self) -> Path:
         cfg = self.config
-        # a step's episodes run at once (rollouts), each holding a session in stateful mode
-        episodes = cfg.rollout.prompts_per_step * cfg.rollout.group_size if cfg.agent.tool_mode == "stateful" else 0
+        # a round's episodes run at once (rollouts), each holding a session in stateful mode
+        episodes = cfg.stateful_episodes_in_flight
         client = make_client(cfg.sandbox, episodes)
         try:
-            await start_client(client, cfg.sandbox, episodes, "rollout.prompts_per_step x rollout.group_size")
+            await start_client(client, cfg.sandbox, episodes, RLConfig.IN_FLIGHT_KEYS)
         except BaseException:
             await client.close()
             raise

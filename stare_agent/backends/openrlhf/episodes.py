@@ -50,8 +50,6 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ENV = "STARE_AGENT_RL_CONFIG"
 """Environment variable holding the run's RLConfig as JSON, for the executor in every vLLM engine actor."""
-STEP_EPISODES = "rollout.prompts_per_step x rollout.group_size"
-"""The keys that set a step's episodes, for the messages that name them."""
 
 # --- config -------------------------------------------------------------------------------------------------------
 
@@ -159,19 +157,6 @@ def to_response(result: EpisodeResult, *, prompt: str, label: Any, images: Any =
 # --- the executor -------------------------------------------------------------------------------------------------
 
 
-def concurrent_episodes(config: RLConfig) -> int:
-    """Stateful episodes in flight at once: one engine's in-process kernel limit (a kernel each), and what all
-    engines together put on a sandbox service (a session each; stateless mode holds none: 0).
-
-    A step has prompts_per_step x group_size episodes in flight at most (a dropped group is replaced only once it
-    has finished), and OpenRLHF's dispatcher balances vLLM requests, not episodes waiting on a tool, so in the
-    worst case one engine holds all of them. The limit is a cap, not a pool: kernels start only on demand.
-    """
-    if config.agent.tool_mode != "stateful":
-        return 0
-    return config.rollout.prompts_per_step * config.rollout.group_size
-
-
 class ReToolExecutor:
     """OpenRLHF's `execute` contract over our episode; `agent_executor.AgentExecutor` adds OpenRLHF's base class.
 
@@ -192,12 +177,12 @@ class ReToolExecutor:
         one line, when it cannot serve this engine's episodes."""
         from stare_agent.runtime import check_sandbox
 
-        check_sandbox(self.config.sandbox, concurrent_episodes(self.config), STEP_EPISODES)
+        check_sandbox(self.config.sandbox, self.config.stateful_episodes_in_flight, RLConfig.IN_FLIGHT_KEYS)
 
     def _default_client(self) -> Any:
         from stare_agent.runtime import make_client
 
-        return make_client(self.config.sandbox, concurrent_episodes(self.config))
+        return make_client(self.config.sandbox, self.config.stateful_episodes_in_flight)
 
     async def client(self) -> ToolClient:
         """The executor's sandbox client, started on first use; an unreachable sandbox is an error, not a NaN, and so
@@ -211,7 +196,9 @@ class ReToolExecutor:
                     # Every engine actor has an executor and a client of its own, to the same servers: the step's
                     # episodes of all engines share them, so each engine checks the whole step against them, not
                     # its own share (the same count, and the same answer, in every engine).
-                    await start_client(client, self.config.sandbox, concurrent_episodes(self.config), STEP_EPISODES)
+                    await start_client(
+                        client, self.config.sandbox, self.config.stateful_episodes_in_flight, RLConfig.IN_FLIGHT_KEYS
+                    )
                 except SandboxUnavailable as exc:
                     # Not a per-episode failure: dropping every group would silently consume the prompt set.
                     raise RuntimeError(

@@ -39,11 +39,11 @@ GATE_ON = 100.0
 def first_batch(rl: RLConfig) -> tuple[Trainer, list]:
     """A trainer of `rl` and the groups of its first rollout batch (nothing trained, nothing written)."""
     trainer = Trainer(rl)
-    episodes = rl.rollout.prompts_per_step * rl.rollout.group_size if rl.agent.tool_mode == "stateful" else 0
+    episodes = rl.stateful_episodes_in_flight
     client = make_client(rl.sandbox, episodes)
 
     async def collect() -> list:
-        await start_client(client, rl.sandbox, episodes, "rollout.prompts_per_step x rollout.group_size")
+        await start_client(client, rl.sandbox, episodes, RLConfig.IN_FLIGHT_KEYS)
         try:
             groups, fill, _ = await trainer.rollouts(TimedClient(client))
         finally:
