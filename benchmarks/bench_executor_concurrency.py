@@ -11,7 +11,7 @@ What runs: `ReToolExecutor.execute` (stare_agent/backends/openrlhf/episodes.py),
 and called by keyword, as OpenRLHF 0.11.2's engine actor runs a step's episodes; a real tokenizer (the tiny test
 model's, `stare_agent.lab.models.build_tiny_model`); real Jupyter kernels, either
     in-process  the executor's own default client (sandbox.url empty): a kernel pool in this process, sized by
-                `episodes.concurrent_episodes(config)` (prompts_per_step x group_size = 512 in stateful mode); or
+                `config.stateful_episodes_in_flight` (prompts_per_step x group_size = 512 in stateful mode); or
     server      a real `python -m stare_sandbox serve` on loopback (sandbox.url), sized by docs/sandbox.md's rule for
                 its largest level L in whole groups (--max-sessions L + 8, --max-kernels L + pool + 8,
                 --max-waiting max(L, 64)),
@@ -396,7 +396,8 @@ def make_config(cell: Cell, url: str, args: argparse.Namespace) -> Any:
 
     Over the server a step is the cell's episodes (rounded up to whole groups), which the server is sized for: the
     executor refuses a step that the server cannot hold (runtime.check_capacity). In-process it stays the paper's
-    64 prompts, whose count sizes the executor's own kernel pool (concurrent_episodes), the sizing measured here."""
+    64 prompts, whose count sizes the executor's own kernel pool (stateful_episodes_in_flight), the sizing measured
+    here."""
     from stare_agent.config import AgentConfig, RLConfig, RolloutConfig, SandboxConfig
 
     prompts = -(-cell.episodes // args.group_size) if url else 64
@@ -408,7 +409,7 @@ def make_config(cell: Cell, url: str, args: argparse.Namespace) -> Any:
 
 
 async def run_cell(cell: Cell, tokenizer: Any, url: str, server_pid: int | None, args: argparse.Namespace) -> dict:
-    from stare_agent.backends.openrlhf.episodes import ReToolExecutor, concurrent_episodes
+    from stare_agent.backends.openrlhf.episodes import ReToolExecutor
     from stare_agent.runtime import make_client
 
     config = make_config(cell, url, args)
@@ -460,7 +461,7 @@ async def run_cell(cell: Cell, tokenizer: Any, url: str, server_pid: int | None,
         "sandbox_max_kernels": args.sandbox_max_kernels,
         "scripted_tool_calls": args.tool_calls,
         "sizing": cell.sizing,
-        "concurrent_episodes_passed": 0 if old or url else concurrent_episodes(config),
+        "concurrent_episodes_passed": 0 if old or url else config.stateful_episodes_in_flight,
         "max_kernels": max_kernels,
         **summarize(traces, responses, wall_s),
         **{key: after[key] - before[key] for key in after},

@@ -9,6 +9,7 @@ hold 3 + 2 = 5, although their summed max_sessions (11) and max_kernels (10) are
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from procs import sandbox_service
@@ -23,6 +24,8 @@ from stare_agent.runtime import make_client, start_client
 HOLDS = 5
 """Sessions the two servers hold at once between them: min(3, 8) + min(8, 2)."""
 STEP = "rollout.prompts_per_step x rollout.group_size"
+IN_FLIGHT = re.escape(RLConfig.IN_FLIGHT_KEYS)
+"""How the runs name the keys behind the episodes they may have in flight."""
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,7 @@ def test_the_openrlhf_executor_checks_the_whole_step_against_the_servers(urls):
 
         asyncio.run(go())
 
-    with pytest.raises(ConfigError, match=rf"{STEP} = 6 stateful episodes .* hold {HOLDS} at once"):
+    with pytest.raises(ConfigError, match=rf"{IN_FLIGHT} = 6 stateful episodes .* hold {HOLDS} at once"):
         client_of(3, 2)
     client_of(1, 4)  # 4 fit
     client_of(3, 2, "stateless")  # no sessions
@@ -98,6 +101,11 @@ def test_the_local_rl_run_is_refused_before_it_writes_anything(urls, tmp_path, t
     overrides += [f"data.train_file={prompts}", "rollout.prompts_per_step=3", "rollout.group_size=2"]
     overrides += [f"sandbox.urls=[{','.join(urls)}]", "loss.micro_batch_size=6"]
     trainer = rl.Trainer(load_config(RLConfig, None, overrides))
-    with pytest.raises(ConfigError, match=rf"{STEP} = 6 stateful episodes .* hold {HOLDS} at once"):
+    with pytest.raises(ConfigError, match=rf"{IN_FLIGHT} = 6 stateful episodes .* hold {HOLDS} at once"):
         asyncio.run(trainer.train())
     assert not (trainer.run_dir / "metrics.jsonl").exists()
+    # 2 x 2 episodes fit, but up-front dispatch at twice the need keeps 4 groups of 2 out
+    ahead = [*overrides, "rollout.prompts_per_step=2", "rollout.max_dispatch_factor=2", "loss.micro_batch_size=4"]
+    trainer = rl.Trainer(load_config(RLConfig, None, ahead))
+    with pytest.raises(ConfigError, match=rf"{IN_FLIGHT} = 8 stateful episodes .* hold {HOLDS} at once"):
+        asyncio.run(trainer.train())
