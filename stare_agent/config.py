@@ -215,17 +215,6 @@ class SFTConfig:
     """backend openrlhf: OpenRLHF's own flags, spelled as its CLI spells them without the leading '--'
     (`ds.zero_stage: 3`), passed through verbatim and checked by its parser; keys we set are refused here."""
 
-    IN_FLIGHT_KEYS: ClassVar[str] = "rollout.prompts_per_step x rollout.group_size (x rollout.max_dispatch_factor)"
-    """The keys that set `stateful_episodes_in_flight`, for the messages that name them."""
-
-    @property
-    def stateful_episodes_in_flight(self) -> int:
-        """Episodes a step may have in flight at once that each hold a sandbox session (an in-process kernel): every
-        episode of the groups being generated in stateful tool mode, none in stateless mode."""
-        if self.agent.tool_mode != "stateful":
-            return 0
-        return self.rollout.max_groups_in_flight * self.rollout.group_size
-
     def __post_init__(self) -> None:
         _check_backend(self.backend, self.openrlhf)
         for name in ("epochs", "micro_batch_size", "grad_accum", "log_every"):
