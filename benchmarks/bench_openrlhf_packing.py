@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -43,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import cpu_snapshot, other_cores, write_results  # noqa: E402
-from bench_packing import add_arguments, lengths_of  # noqa: E402
+from bench_packing import add_arguments, bench_model, lengths_of  # noqa: E402
 
 MODES = ("padded", "packed", "budget")
 
@@ -104,17 +103,8 @@ def time_passes(rank, batches: list[tuple[torch.Tensor, ...]]) -> dict[str, floa
 
 
 def run(args: argparse.Namespace) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from stare_agent.lab.models import build_tiny_model, tiny_corpus
-
-    torch.set_num_threads(args.threads)
-    folder = build_tiny_model(
-        Path(tempfile.mkdtemp(prefix="bench-openrlhf-packing-")), tiny_corpus(), hidden_size=args.hidden,
-        num_layers=args.layers, intermediate_size=3 * args.hidden, max_position_embeddings=max(4096, args.max_len),
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
-    model.config.use_cache = False
+    model = bench_model(args, "bench-openrlhf-packing-")
+    model.config.use_cache = False  # as OpenRLHF's Actor sets it for a model it loads
     lengths = lengths_of(args)
     parts = {mode: split(lengths, mode, args.micro, args.budget, args.ranks) for mode in MODES}
     batches = {

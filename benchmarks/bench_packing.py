@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,17 +112,23 @@ def time_passes(model, ids, attention, parts, packed: bool) -> dict[str, float]:
     return {"reference_s": reference, "update_s": update}
 
 
-def run(args: argparse.Namespace) -> dict:
+def bench_model(args: argparse.Namespace, prefix: str) -> Any:
+    """The lab's Qwen2 at --hidden/--layers (random weights, sdpa, fp32), long enough for --max-len; the torch
+    threads set to --threads. Both packing benchmarks run it."""
     from transformers import AutoModelForCausalLM
 
     from stare_agent.lab.models import build_tiny_model, tiny_corpus
 
     torch.set_num_threads(args.threads)
     folder = build_tiny_model(
-        Path(tempfile.mkdtemp(prefix="bench-packing-")), tiny_corpus(), hidden_size=args.hidden,
-        num_layers=args.layers, intermediate_size=3 * args.hidden, max_position_embeddings=max(4096, args.max_len),
+        Path(tempfile.mkdtemp(prefix=prefix)), tiny_corpus(), hidden_size=args.hidden, num_layers=args.layers,
+        intermediate_size=3 * args.hidden, max_position_embeddings=max(4096, args.max_len),
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = bench_model(args, "bench-packing-").eval()
     lengths = lengths_of(args)
     ids, attention = padded_batch(lengths, model.config.vocab_size, args.seed)
     modes = {mode: micro_batches(lengths, mode, args.micro, args.budget) for mode in ("padded", "packed")}

@@ -139,7 +139,7 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "(resume=auto); OpenRLHF has no option to resume from another folder"
         )
     problems = local_only_problems(config.model, config.run)
-    zero_stage = config.openrlhf.get("ds.zero_stage", 2)
+    zero_stage = config.openrlhf.get("ds.zero_stage", 2)  # 2: OpenRLHF's default (--ds.zero_stage)
     if config.loss.max_tokens_per_micro_batch and zero_stage != 3:
         problems.append(
             f"loss.max_tokens_per_micro_batch={config.loss.max_tokens_per_micro_batch} with openrlhf.ds.zero_stage="
