@@ -22,7 +22,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from stare_agent import protocol
@@ -48,10 +48,37 @@ class Sample:
     logprobs: list[float]
     """Log-probability of each sampled id under the sampling policy."""
     finish_reason: GenerationEnd
+    versions: list[int] | None = None
+    """The policy version (optimizer steps in the engine's weights) that sampled each id; None when the engine does
+    not say (then the episode records NO_VERSION for them)."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} token ids but {len(self.logprobs)} log-probs")
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token ids but {len(self.versions)} policy versions")
+
+
+NO_VERSION = -1
+"""The policy version recorded for an id no policy sampled (prompt, observation) or whose version is unknown."""
+
+
+def span_versions(completion: Any) -> list[int] | None:
+    """Each output id's policy version from a vLLM CompletionOutput's `weight_versions` spans ([start, end) of
+    output-token indexes, labelled with the version string the engine was given; vLLM >= 0.32 stamps them in the
+    engine core, so a request that ran across a weight update has two or more spans). None when the output has
+    none or a label is not a version number (an engine never told one: vLLM's label is then "default")."""
+    spans = getattr(completion, "weight_versions", None)
+    if not spans:
+        return None
+    versions = [NO_VERSION] * len(completion.token_ids)
+    for span in spans:
+        if not str(span.version).isdigit():
+            return None
+        versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
+    if NO_VERSION in versions:
+        raise RuntimeError(f"vLLM's weight-version spans {spans} do not cover the {len(versions)} output ids")
+    return versions
 
 
 def completion_sample(completion: Any) -> Sample:
@@ -72,7 +99,7 @@ def completion_sample(completion: Any) -> Sample:
         finish = "stop" if isinstance(completion.stop_reason, str) else "eos"
     else:
         raise RuntimeError(f"vLLM ended a request with finish_reason {completion.finish_reason!r}")
-    return Sample(token_ids, logprobs, finish)
+    return Sample(token_ids, logprobs, finish, span_versions(completion))
 
 
 class Generate(Protocol):
@@ -167,6 +194,9 @@ class EpisodeResult:
     """Why the sandbox failed, when it did."""
     response_text: str = ""
     """The response (after the prompt) decoded, observations included: for logs and transcripts."""
+    versions: list[int] = field(default_factory=list)
+    """Same length as token_ids (empty for a result built by hand): the policy version that sampled each id,
+    NO_VERSION where action_mask is 0 or the engine did not say. Partial rollouts mix versions within a turn."""
 
     @property
     def response_len(self) -> int:
@@ -256,6 +286,7 @@ class _Episode:
         self.prompt_len = len(self.ids)
         self.mask = [0] * self.prompt_len  # (T,); 1 = sampled by the policy
         self.logprobs = [0.0] * self.prompt_len
+        self.versions = [NO_VERSION] * self.prompt_len
         self.turns: list[Turn] = []
         self.model_text: list[str] = []
         self.finish: FinishReason | None = None if self.budget_left() > 0 else "length"
@@ -273,6 +304,7 @@ class _Episode:
         self.ids += sample.token_ids
         self.mask += [1] * len(sample.token_ids)
         self.logprobs += sample.logprobs
+        self.versions += sample.versions if sample.versions is not None else [NO_VERSION] * len(sample.token_ids)
         self.model_text.append(text)
         code = protocol.parse_tool_call(text)
         turn = Turn(text=text, sampled_tokens=len(sample.token_ids))
@@ -327,6 +359,7 @@ class _Episode:
         self.ids += obs
         self.mask += [0] * len(obs)
         self.logprobs += [0.0] * len(obs)
+        self.versions += [NO_VERSION] * len(obs)
 
     def result(self) -> EpisodeResult:
         assert self.finish is not None, "episode still running"
@@ -348,6 +381,7 @@ class _Episode:
             finish_reason=self.finish,
             sandbox_error=self.sandbox_error,
             response_text=self.tokenizer.decode(self.ids[self.prompt_len :], skip_special_tokens=False),
+            versions=self.versions,
         )
 
 

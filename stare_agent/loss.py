@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
 
@@ -119,6 +121,151 @@ def logprob_mismatch(rollout_logprobs: Tensor, trainer_logprobs: Tensor, action_
     diff = (rollout_logprobs.float() - trainer_logprobs.float()).abs()[action]
     mean, worst = (float(diff.mean()), float(diff.max())) if diff.numel() else (0.0, 0.0)
     return {"rollout_logprob_abs_diff": mean, "rollout_logprob_abs_diff_max": worst}
+
+
+CorrectionLevel = Literal["token", "seq"]
+"""Where the mismatch correction's gate decides: each action token, or each row (sequence) as a whole."""
+CorrectionMode = Literal["mask", "clip"]
+"""What happens outside the band: mask drops the unit (coefficient 0), clip clamps the token's weight into it."""
+CorrectionGating = Literal["ratio", "binary_kl", "tv"]
+"""What the gate reads: the importance weight itself, or a divergence between the two sampled-token probabilities."""
+
+
+def mismatch_correction(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    level: CorrectionLevel,
+    mode: CorrectionMode,
+    gating: CorrectionGating,
+    low: float,
+    high: float,
+) -> tuple[Tensor, Tensor]:
+    """OpenRLHF 0.11.2's rollout-trainer mismatch correction (PolicyLoss, `algo.advantage.is_correction_*`): the
+    coefficient that multiplies each token's policy loss, and the share of units the gate filtered.
+
+    old_logprobs: (B, T) log pi_old of the sampled tokens from the trainer's experience pass; rollout_logprobs: (B, T)
+    the engine's log-probs of the same tokens; action_mask: (B, T), 1 = sampled by the policy. Positions outside the
+    mask are read as 0 (weight 1) whatever they hold, as loss.on_actions does before the loss.
+
+    w = exp(log pi_old - log pi_rollout) is the importance weight, detached and not clamped. The gate reads a
+    statistic s per unit: `ratio`: s = w per token, or at `seq` level the row's geometric mean exp(mean log w);
+    `binary_kl` / `tv`: with p = pi_rollout and q = pi_old clamped to [1e-6, 1 - 1e-6], s = p log(p/q) + (1-p)
+    log((1-p)/(1-q)) or |p - q| per token, the row's mean of it at `seq` level. `clip` (token level and ratio
+    gating only): coef = clamp(s, low, high). `mask`: coef = w where low <= s <= high, 0 elsewhere (survivors keep
+    their own per-token w, also at seq level).
+
+    Returns coef (B, T), detached, and OpenRLHF's `is_filter_ratio`: the action tokens' share out of the band
+    (token level), or the share of rows out of it (seq level; as in OpenRLHF, a row without action tokens has no
+    mean and counts as filtered). With no action token at all the token share is 0 (OpenRLHF's 0/0 is NaN).
+    Raises ValueError, naming OpenRLHF's setting, for the combinations OpenRLHF's PolicyLoss refuses.
+    """
+    coef, in_band, _ = _gate(old_logprobs, rollout_logprobs, action_mask, level, mode, gating, low, high)
+    filtered = (~in_band).float()  # (B, T) at token level, (B, 1) at seq level
+    if level == "seq":
+        return coef, filtered.mean()
+    action = action_mask.bool()
+    return coef, filtered.masked_fill(~action, 0.0).sum() / action.sum().clamp_min(1)
+
+
+@torch.no_grad()
+def _gate(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    action_mask: Tensor,
+    level: str,
+    mode: str,
+    gating: str,
+    low: float,
+    high: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """mismatch_correction's coef (B, T), whether each unit is inside the band ((B, T) or, at seq level, (B, 1)
+    bool), and the importance weights w (B, T)."""
+    _check_correction(level, mode, gating, low)
+    action = action_mask.bool()
+    old, rollout = on_actions(action, old_logprobs.detach()), on_actions(action, rollout_logprobs.detach())
+    log_w = old - rollout
+    weight = log_w.exp()
+    if gating == "ratio":
+        stat = log_w
+    else:
+        p = rollout.exp().clamp(1e-6, 1 - 1e-6)  # bounded away from 0 and 1: the binary KL's logs stay finite
+        q = old.exp().clamp(1e-6, 1 - 1e-6)
+        if gating == "binary_kl":
+            stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+        else:
+            stat = (p - q).abs()
+    has_statistic = torch.ones((), dtype=torch.bool, device=action.device)
+    if level == "seq":
+        counts = action.sum(dim=-1, keepdim=True)
+        stat = on_actions(action, stat).sum(dim=-1, keepdim=True) / counts.clamp_min(1)
+        # A row without action tokens has no mean: OpenRLHF's 0/0 is NaN there, outside every band.
+        has_statistic = counts > 0
+    if gating == "ratio":
+        stat = stat.exp()  # at seq level, the geometric mean of the row's weights
+    in_band = (stat >= low) & (stat <= high) & has_statistic
+    coef = stat.clamp(min=low, max=high) if mode == "clip" else torch.where(in_band, weight, 0.0)
+    return coef, in_band, weight
+
+
+def _check_correction(level: str, mode: str, gating: str, low: float) -> None:
+    """OpenRLHF's PolicyLoss checks, in our words: each setting's values, and the combinations it refuses."""
+    name = "algo.advantage.is_correction"
+    if level not in ("token", "seq"):
+        raise ValueError(f"{name}_level must be token or seq for the correction to apply (off: none); got {level!r}")
+    if mode not in ("mask", "clip"):
+        raise ValueError(f"{name}_mode must be one of mask, clip; got {mode!r}")
+    if gating not in ("ratio", "binary_kl", "tv"):
+        raise ValueError(f"{name}_gating must be one of ratio, binary_kl, tv; got {gating!r}")
+    # Only a token's own ratio is a weight that can be clamped; a row's statistic or a divergence can only filter.
+    if mode == "clip" and (level != "token" or gating != "ratio"):
+        raise ValueError(
+            f"{name}_mode=clip needs {name}_level=token and {name}_gating=ratio; got level={level}, gating={gating} "
+            "(use mode mask)"
+        )
+    # A divergence has only an upper bound; OpenRLHF's default band [0.5, 5] would filter every token.
+    if gating != "ratio" and low > 0:
+        raise ValueError(
+            f"{name}_gating={gating} takes an upper bound only: set {name}_threshold to one value, HIGH; got a lower "
+            f"bound of {low}"
+        )
+
+
+@torch.no_grad()
+def correction_stats(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    action_mask: Tensor,
+    *,
+    level: CorrectionLevel,
+    mode: CorrectionMode,
+    gating: CorrectionGating,
+    low: float,
+    high: float,
+) -> dict[str, Tensor]:
+    """What the mismatch correction does to one step, over its action tokens, for the step's metrics.
+
+    Arguments as mismatch_correction's; rows of several micro-batches go in as one right-padded batch (each row's
+    gate reads only that row). `mismatch/is_weight_mean`, `_min`, `_max`: the importance weights
+    w = pi_old / pi_rollout of the action tokens before the gate (1 = the engine and the trainer agree);
+    `mismatch/corrected_share`: the share of action tokens whose weight the gate changed, masked to 0 or clipped
+    into the band (at seq level every action token of a filtered row). With no action token: 1, 1, 1 and 0.
+    """
+    _, in_band, weight = _gate(old_logprobs, rollout_logprobs, action_mask, level, mode, gating, low, high)
+    action = action_mask.bool()
+    corrected = (~in_band).expand_as(action)[action]
+    weight = weight[action].float()
+    if not weight.numel():
+        one = torch.ones((), device=weight.device)
+        return {"mismatch/is_weight_mean": one, "mismatch/is_weight_min": one, "mismatch/is_weight_max": one,
+                "mismatch/corrected_share": torch.zeros((), device=weight.device)}  # fmt: skip
+    return {
+        "mismatch/is_weight_mean": weight.mean(),
+        "mismatch/is_weight_min": weight.min(),
+        "mismatch/is_weight_max": weight.max(),
+        "mismatch/corrected_share": corrected.float().mean(),
+    }
 
 
 def entropy_bonus_loss(entropy: Tensor, action_mask: Tensor, alpha: float, num_tokens: Tensor | float) -> Tensor:

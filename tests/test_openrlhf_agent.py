@@ -56,6 +56,7 @@ RESPONSE_KEYS = {
     "observation_tokens",
     "action_ranges",
     "rollout_log_probs",
+    "policy_versions",
     "reward",
     "scores",
     "truncated",
@@ -158,6 +159,9 @@ def check_response(response):
     n = len(response["observation_tokens"])
     ends = [0] + [x for r in response["action_ranges"] for x in r] + [n]
     assert ends == sorted(ends) and all(s < e for s, e in response["action_ranges"])
+    versions = response["policy_versions"]  # one per id; NO_VERSION on every id no policy sampled
+    sampled = {i for s, e in response["action_ranges"] for i in range(s, e)}
+    assert len(versions) == n and all(v == -1 for i, v in enumerate(versions) if i not in sampled)
     if response["rollout_log_probs"] is not None:
         assert len(response["rollout_log_probs"]) == n
 

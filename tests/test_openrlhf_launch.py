@@ -54,7 +54,6 @@ def test_argv_spelling():
     [
         ("openrlhf.rollout.temperature=0.5", "set by our rollout.temperature; set it there instead"),
         ("openrlhf.actor.adam.lr=1e-5", "set by our optim.lr"),
-        ("openrlhf.train.async_enable=true", "not supported: STARE and the on-policy ratio assume synchronous"),
         ("openrlhf.ds.ring_attn_size=2", "ring attention needs flash-attention kernels"),
         ("openrlhf.ckpt.disable_ds=true", "controller's state is saved in the DeepSpeed checkpoint"),
         ("openrlhf.actor.entropy_coef=0.0", "the adaptive one is entropy_control.method=entropy_bonus"),
@@ -85,10 +84,14 @@ def test_conflicts_and_unsupported_combinations_are_refused(override, message):
         check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))
 
 
-def test_clip_cov_and_kl_cov_refuse_openrlhfs_importance_sampling_correction():
-    cfg = config("entropy_control.method=kl_cov", "openrlhf.algo.advantage.is_correction_level=token")
-    with pytest.raises(ConfigError, match="kl_cov loss does not apply OpenRLHF's importance-sampling correction"):
-        check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))
+def test_clip_cov_and_kl_cov_accept_openrlhfs_mismatch_correction():
+    # Clip-Cov and KL-Cov too: MethodLoss applies the correction (tests/test_openrlhf_correction.py)
+    for method, level, mode in (("clip_cov", "token", "clip"), ("kl_cov", "seq", "mask")):
+        cfg = config(
+            f"entropy_control.method={method}", f"openrlhf.algo.advantage.is_correction_level={level}",
+            f"openrlhf.algo.advantage.is_correction_mode={mode}",
+        )  # fmt: skip
+        check_block(cfg, rl_flags(cfg, Path("/runs/x"), "agent.py"))  # accepted
     for method in ("clip_cov", "kl_cov", "entropy_bonus", "forking_tokens", "low_prob_reweight"):
         cfg = config(f"entropy_control.method={method}", "optim.updates_per_batch=4")
         flags = {k: v for k, (v, _) in rl_flags(cfg, Path("/runs/x"), "agent.py").items()}
@@ -242,6 +245,40 @@ def test_openrlhf_parser_accepts_the_resolved_command(tmp_path):
 def test_openrlhf_parser_refusals_are_one_clear_error(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         resolve_rl(config(override), tmp_path / "run")
+
+
+@needs_openrlhf
+def test_async_training_and_partial_rollouts_are_accepted(tmp_path):
+    even = ("openrlhf.vllm.num_engines=8", "openrlhf.actor.num_gpus_per_node=8")
+    on = ("openrlhf.train.async_enable=true", "openrlhf.train.partial_rollout_enable=true")
+    _, ns = resolve_rl(config(*even, *on, "openrlhf.train.async_queue_size=2"), tmp_path / "run")
+    assert ns.__dict__["train.async_enable"] and ns.__dict__["train.partial_rollout_enable"]
+    assert ns.__dict__["train.async_queue_size"] == 2
+    # over-sampling at exactly one batch is no over-sampling
+    size = ("rollout.prompts_per_step=64", "openrlhf.rollout.vllm_generate_batch_size=64")
+    resolve_rl(config(*even, *on, *size), tmp_path / "run")
+
+
+@needs_openrlhf
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["openrlhf.train.partial_rollout_enable=true"], "partial_rollout_enable needs openrlhf.train.async_enable"),
+        (
+            ["openrlhf.train.async_enable=true", "openrlhf.vllm.enable_sleep=true", "openrlhf.train.colocate_all=1"],
+            "async engines generate while the ranks train, so they cannot sleep",
+        ),
+        (["openrlhf.train.async_enable=true", "openrlhf.train.async_queue_size=0"], "async_queue_size=0: at least 1"),
+        (
+            ["openrlhf.train.async_enable=true", "openrlhf.rollout.vllm_generate_batch_size=128"],
+            "over-sampling buffer is not saved in checkpoints, so a resume would skip its prompts",
+        ),
+    ],
+)
+def test_what_async_mode_cannot_run_with_is_refused_before_anything_starts(tmp_path, overrides, message):
+    even = ("openrlhf.vllm.num_engines=8", "openrlhf.actor.num_gpus_per_node=8")
+    with pytest.raises(ConfigError, match=message):
+        resolve_rl(config(*even, *overrides), tmp_path / "run")
 
 
 def sft_config(*overrides: str):

@@ -40,7 +40,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from stare_agent import protocol
-from stare_agent.agent import EpisodeResult, Sample, ToolClient, completion_sample, run_episode, score_problem
+from stare_agent.agent import (
+    NO_VERSION,
+    EpisodeResult,
+    Sample,
+    ToolClient,
+    completion_sample,
+    run_episode,
+    score_problem,
+)
 from stare_agent.batching import episode_stats
 from stare_agent.config import ConfigError, RLConfig, load_config, to_dict
 from stare_agent.data import Problem
@@ -110,8 +118,20 @@ class EngineGenerate:
 
     async def __call__(self, ids: list[int], max_new_tokens: int) -> Sample:
         params = turn_params(self.shared, min(self.max_turn_tokens, max_new_tokens))
+        before = getattr(self.engine, "policy_version", None)
         output = await self.engine.generate(ids, params)
-        return completion_sample(output.outputs[0])
+        sample = completion_sample(output.outputs[0])
+        if sample.versions is not None or before is None:
+            return sample
+        # An engine without vLLM's per-token spans: the version its weights had for the whole turn, which holds
+        # when no weight update can come mid-request (partial rollouts need the spans; the launcher checks).
+        after = getattr(self.engine, "policy_version", None)
+        if after != before:
+            raise RuntimeError(
+                f"the engine's weights changed from policy version {before} to {after} during one request, and this "
+                "vLLM reports no per-token weight versions: partial rollouts need a vLLM that does"
+            )
+        return dataclasses.replace(sample, versions=[before] * len(sample.token_ids))
 
 
 # --- the episode as OpenRLHF's dict -------------------------------------------------------------------------------
@@ -133,7 +153,9 @@ def to_response(result: EpisodeResult, *, prompt: str, label: Any, images: Any =
     """The dict OpenRLHF 0.11.2 makes a sample of (keys as its stock executors return them).
 
     observation_tokens: all ids (prompt, sampled and observation segments); action_ranges: the sampled ones;
-    rollout_log_probs: one per id (0.0 outside actions); extra_logs: batching.episode_stats without the reward.
+    rollout_log_probs: one per id (0.0 outside actions); policy_versions: one per id, the policy version that sampled
+    it (agent.NO_VERSION outside actions; OpenRLHF ignores the key, hooks.StareSamplesGenerator reads it);
+    extra_logs: batching.episode_stats without the reward.
     A sandbox failure, or a prompt that leaves no room for a response, cannot be scored: reward 0.0 and
     scores NaN, which makes dynamic filtering drop the whole group.
     """
@@ -147,6 +169,7 @@ def to_response(result: EpisodeResult, *, prompt: str, label: Any, images: Any =
         "observation_tokens": list(result.token_ids),
         "action_ranges": action_ranges(result.action_mask),
         "rollout_log_probs": list(result.logprobs),
+        "policy_versions": list(result.versions) or [NO_VERSION] * len(result.token_ids),
         "reward": 0.0 if math.isnan(score) else score,
         "scores": score,
         "truncated": result.finish_reason == "length",

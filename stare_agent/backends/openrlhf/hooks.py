@@ -61,7 +61,7 @@ from stare_agent.entropy_control import (
     EntropyControl,
     keep_reports_until,
 )
-from stare_agent.loss import logprob_mismatch
+from stare_agent.loss import correction_stats, logprob_mismatch
 from stare_agent.step import MicroBatch, control_step
 from stare_agent.theory import entropy_and_s2
 
@@ -69,12 +69,18 @@ _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
 _maker_module = upstream.import_openrlhf("openrlhf.trainer.ppo_utils.experience_maker")
 _samples_module = upstream.import_openrlhf("openrlhf.trainer.ppo_utils.samples_generator")
 _trainer_module = upstream.import_openrlhf("openrlhf.trainer.ppo_trainer")
+_async_module = upstream.import_openrlhf("openrlhf.trainer.ppo_trainer_async")
 _engines_package = upstream.import_openrlhf("openrlhf.trainer.ray")
+_engine_module = upstream.import_openrlhf("openrlhf.trainer.ray.vllm_engine")
 _ring_module = upstream.import_openrlhf("openrlhf.models.ring_attn_utils")
 
 # The Ray-wrapped classes as OpenRLHF defines them, taken before install() replaces the module attributes.
 ORIGINAL_ACTOR = _actor_module.PolicyModelActor
 ORIGINAL_TRAINER = _trainer_module.PPOTrainer
+ORIGINAL_ASYNC_TRAINER = _async_module.PPOTrainerAsync
+ORIGINAL_GENERATOR_ACTOR = _async_module.GenerateSamplesActor
+ORIGINAL_TRAINING_ACTOR = _async_module.TrainingActor
+ORIGINAL_ENGINE = _engine_module.RolloutRayActor
 
 CHECKPOINT_KEY = "stare_controller"
 """Key of the controller's state_dict in the DeepSpeed checkpoint's client_states."""
@@ -199,6 +205,8 @@ class StareExperienceMaker(_maker_module.RemoteExperienceMaker):
         """The last step's stare/* and theory/* metrics, until `pop_metrics`."""
         self._stats_refs: Any = None  # the actor group's refs from _dispatch_forward, recognised in _flatten_results
         self._stats: list[tuple[Tensor, Tensor]] | None = None  # (entropy, s2) per micro-batch, in samples order
+        self.policy_version = 0
+        """The policy version of the weights this step's experience pass scores with (the trainer sets it)."""
 
     def _dispatch_forward(self, group: Any, sync_condition: bool, **kwargs: Any) -> Any:
         if group is not self.actor_model_group:
@@ -229,6 +237,8 @@ class StareExperienceMaker(_maker_module.RemoteExperienceMaker):
             )
         self.apply_control(experiences, stats)
         self.metrics.update(rollout_mismatch(experiences))
+        self.metrics.update(correction_metrics(experiences, self.args.algo.advantage))
+        self.metrics.update(staleness(rollout_samples, self.policy_version))
         return experiences
 
     def apply_control(self, experiences: list, stats: list[tuple[Tensor, Tensor]]) -> None:
@@ -266,6 +276,56 @@ def rollout_mismatch(experiences: list) -> dict[str, float]:
     return logprob_mismatch(rollout, trainer, torch.ones_like(rollout))
 
 
+def correction_metrics(experiences: list, settings: Any) -> dict[str, float]:
+    """What OpenRLHF's mismatch correction (`settings`: args.algo.advantage, is_correction_*) does to the step, over
+    all its action tokens (loss.correction_stats): the importance weights' mean and extremes, the share of tokens
+    masked or clipped. The gate reads only the trainer's and the engine's log-probs of the sampled tokens, which
+    the step's experiences hold, so the numbers are exact here, where OpenRLHF's own logs would only average them
+    per micro-batch. {} with the correction off."""
+    if settings.is_correction_level == "off" or any(exp.rollout_log_probs is None for exp in experiences):
+        return {}
+    width = max(exp.action_mask.shape[1] for exp in experiences)
+
+    def rows(name: str) -> Tensor:  # every micro-batch's rows, right-padded to one width (the gate is per row)
+        parts = [getattr(exp, name).float().cpu() for exp in experiences]
+        return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts])
+
+    low, high = settings.is_correction_threshold
+    stats = correction_stats(
+        rows("action_log_probs"), rows("rollout_log_probs"), rows("action_mask"), level=settings.is_correction_level,
+        mode=settings.is_correction_mode, gating=settings.is_correction_gating, low=low, high=high,
+    )  # fmt: skip
+    return {name: float(value) for name, value in stats.items()}
+
+
+def staleness(samples: list, version: int) -> dict[str, float]:
+    """How old the sampling policy was, over the step's action tokens: each token's lag is `version` (the policy the
+    experience pass scores with) minus the version that sampled it (StareSamplesGenerator keeps each sample's
+    `policy_versions`). 0 everywhere in sync mode; up to the queue size in async mode, and with partial rollouts an
+    episode can hold several versions. {} when no sample carries versions."""
+    lags, mixed, episodes, unknown, tokens = [], 0, 0, 0, 0
+    for sample in samples:
+        versions = getattr(sample, "policy_versions", None)
+        if versions is None:
+            continue
+        sampled = versions[sample.action_mask.bool()]
+        known = sampled[sampled >= 0]
+        tokens += sampled.numel()
+        unknown += sampled.numel() - known.numel()
+        episodes += 1
+        mixed += int(known.unique().numel() > 1)
+        lags.append(version - known)
+    if not episodes:
+        return {}
+    lag = torch.cat(lags).float() if lags else torch.zeros(0)
+    return {
+        "staleness/lag_mean": lag.mean().item() if lag.numel() else math.nan,
+        "staleness/lag_max": lag.max().item() if lag.numel() else math.nan,
+        "staleness/mixed_episodes": mixed / episodes,
+        "staleness/unversioned_share": unknown / max(tokens, 1),
+    }
+
+
 def _processed_logprobs(create: Any) -> Any:
     """OpenRLHF's create_vllm_engines with the engines' logprobs_mode "processed_logprobs" (the distribution sampled
     from, after temperature and top-p, which is what the trainer scores); OpenRLHF chooses it only when its
@@ -280,6 +340,17 @@ def _processed_logprobs(create: Any) -> Any:
 
     create_vllm_engines.stare_processed_logprobs = True
     return create_vllm_engines
+
+
+class RolloutBatch(list):
+    """One full batch's samples (OpenRLHF's list of per-sample Experiences) with what the generator knew when it
+    made it: the batch's rollout/ metrics (`fill_metrics`) and the keep rate after it. In async mode the batch
+    crosses OpenRLHF's Ray queue from the generator actor to the training actor; pickling keeps the attributes."""
+
+    def __init__(self, samples: Any = (), *, fill_metrics: dict[str, float] | None = None, keep_rate: float = 0.0):
+        super().__init__(samples)
+        self.fill_metrics = dict(fill_metrics or {})
+        self.keep_rate = keep_rate
 
 
 class StareSamplesGenerator(_samples_module.SamplesGenerator):
@@ -359,7 +430,8 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
             self.stop_reason = fill.why_not_full()
             return [], None, fill.consumed, True
         self.handed += 1
-        return experiences, 100.0 * fill.kept / fill.consumed, fill.consumed, self.handed >= self.steps
+        batch = RolloutBatch(experiences, fill_metrics=self.fill_metrics, keep_rate=self.keep_rate)
+        return batch, 100.0 * fill.kept / fill.consumed, fill.consumed, self.handed >= self.steps
 
     def fill_batch(self, fill: BatchFill, **generate_kwargs: Any) -> list:
         """The kept groups' samples of one step, in the order their groups finished; `fill` counts every group.
@@ -423,6 +495,10 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
             )
         self._seen.append(stats)
         experience = super()._process_response_into_experience(response, **generate_kwargs)
+        versions = response.get("policy_versions")
+        if versions is not None:  # shifted and cut as OpenRLHF shifts and cuts the action mask
+            max_len = generate_kwargs.get("max_len", 2048)
+            experience.policy_versions = torch.tensor(versions[1:max_len], dtype=torch.long).unsqueeze(0)
         if self.rollout.audit_masks:
             self.audit(response, experience, generate_kwargs.get("max_len", 2048))
         for key in EPISODE_STATS:
@@ -446,21 +522,21 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
         )  # fmt: skip
 
 
-class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
-    """OpenRLHF's PPO trainer (the single controller) with STARE (install() wraps it with the original's options)."""
+class StareTrainerMixin:
+    """What STARE adds to OpenRLHF's trainer, the same in sync mode (`StarePPOTrainer`, trainer and sample generator
+    in one actor) and in async mode (`StareTrainingActor`, fed batches through a queue by `StareGenerateSamplesActor`):
+    our experience maker driving the entropy control, the step's metrics, the controller's and keep rate's state in
+    the checkpoint, snapshot rotation, and the policy version of the weights the engines hold."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        config = config_from_env()
-        self.use_control(EntropyControl(config))
-        self.use_full_batches(config)
-
-    def use_full_batches(self, config: RLConfig) -> None:
-        """Exactly config.steps full batches (StareSamplesGenerator), and the LR schedule sized for them."""
+    def setup_stare(self, config: RLConfig, control: EntropyControl | None = None) -> None:
+        """Our state, and our experience maker driving `control` (by default the one `config` describes)."""
         self.run_config = config
         self.steps_trained = 0
-        if hasattr(self, "samples_generator"):
-            self.samples_generator = StareSamplesGenerator.replacing(self.samples_generator, config)
+        self.policy_version = 0
+        """Optimizer steps in the weights the engines get at the next broadcast (_VersionStamp)."""
+        self.keep_rate = config.rollout.initial_keep_rate
+        """The sample generator's keep rate after the last trained batch, saved in the checkpoint."""
+        self.use_control(control or EntropyControl(config))
 
     def get_max_steps(self) -> int:
         # OpenRLHF sizes the actor's LR schedule from this (train_ppo_ray.py), in optimizer updates; its own count
@@ -487,12 +563,14 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
         )
 
     def train_step(self, rollout_samples: list, global_step: int) -> tuple[dict, int]:
+        self.experience_maker.policy_version = global_step  # the weights the experience pass scores with
+        self.policy_version = global_step + 1  # what the broadcast at the end of this step sends
         status, next_step = super().train_step(rollout_samples, global_step)
         status.update(self.experience_maker.pop_metrics())
         status.update(class_shares_of(status))
         self.report_selected_tokens(next_step)
-        if hasattr(self, "samples_generator"):
-            status.update(self.samples_generator.fill_metrics)
+        status.update(getattr(rollout_samples, "fill_metrics", {}))
+        self.keep_rate = getattr(rollout_samples, "keep_rate", self.keep_rate)
         self.steps_trained = next_step
         return status, next_step
 
@@ -513,8 +591,7 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
         # In place: fit() hands the same dict to save_best_checkpoint afterwards.
         client_states = {} if client_states is None else client_states
         client_states[CHECKPOINT_KEY] = self.control.state_dict()
-        if hasattr(self, "samples_generator"):
-            client_states[KEEP_RATE_KEY] = self.samples_generator.keep_rate
+        client_states[KEEP_RATE_KEY] = self.keep_rate
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
         if global_step % self.args.ckpt.save_steps == 0:  # OpenRLHF's condition for the save above
             # OpenRLHF rotates its DeepSpeed checkpoints (ckpt.max_num) but keeps every `global_stepN_hf` snapshot. The
@@ -535,11 +612,154 @@ class StarePPOTrainer(ORIGINAL_TRAINER.__ray_actor_class__):
         keep_reports_until(
             Path(self.args.ckpt.path).parent / SELECTED_TOKENS, states["global_step"] if resumed else None
         )
-        self.steps_trained = states.get("global_step", 0)
-        if hasattr(self, "samples_generator"):
+        self.steps_trained = self.policy_version = states.get("global_step", 0)
+        self.keep_rate = states.get(KEEP_RATE_KEY, self.keep_rate)
+        if hasattr(self, "samples_generator"):  # sync mode; in async StarePPOTrainerAsync.fit tells the generator
             self.samples_generator.handed = self.steps_trained
-            self.samples_generator.keep_rate = states.get(KEEP_RATE_KEY, self.samples_generator.keep_rate)
+            self.samples_generator.keep_rate = self.keep_rate
         return states
+
+
+class _VersionStamp(_trainer_module.BasePPOTrainer):
+    """Tells the engines the policy version of the weights just broadcast. Listed as a trainer's last base, so that in
+    async mode it runs inside TrainingActor.broadcast_to_vllm's lock and, with partial rollouts, before the engines
+    resume: every token sampled after the resume carries the new version (StareRolloutRayActor)."""
+
+    def broadcast_to_vllm(self) -> None:
+        super().broadcast_to_vllm()
+        ray.get([engine.set_policy_version.remote(self.policy_version) for engine in self.vllm_engines or []])
+
+
+class StarePPOTrainer(StareTrainerMixin, ORIGINAL_TRAINER.__ray_actor_class__, _VersionStamp):
+    """OpenRLHF's PPO trainer (the single controller) with STARE (install() wraps it with the original's options)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        config = config_from_env()
+        self.setup_stare(config)
+        if hasattr(self, "samples_generator"):
+            self.samples_generator = StareSamplesGenerator.replacing(self.samples_generator, config)
+
+
+class StareTrainingActor(StareTrainerMixin, ORIGINAL_TRAINING_ACTOR.__ray_actor_class__, _VersionStamp):
+    """Async mode's training half (OpenRLHF's TrainingActor) with STARE: each batch it takes from the queue is a
+    RolloutBatch from StareGenerateSamplesActor."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.setup_stare(config_from_env())
+
+    def broadcast_to_vllm(self) -> None:
+        # Defined here so that the method Ray wraps for the actor is this importable one. Ray wraps each method the
+        # actor class resolves and pickles the wrapper by value; OpenRLHF's own TrainingActor.broadcast_to_vllm,
+        # reached from a class whose module name is a Ray wrapper, would travel as a copy bound to a copy of
+        # TrainingActor, and its zero-argument super() would then fail on our instance.
+        super().broadcast_to_vllm()
+
+
+class StareGenerateSamplesActor(ORIGINAL_GENERATOR_ACTOR.__ray_actor_class__):
+    """Async mode's generating half (OpenRLHF's GenerateSamplesActor, its loop unchanged) with our sample generator:
+    full batches, exactly `steps` of them, up-front dispatch, group verdicts and the sandbox-outage stop, as in sync
+    mode. OpenRLHF's loop saves the loader's position after each batch it queues, so a checkpoint's position is the
+    one after the batch it trained; the batches queued or being generated at a crash are drawn again on resume."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.run_config = config_from_env()
+        self.samples_generator = StareSamplesGenerator.replacing(self.samples_generator, self.run_config)
+
+    def get_max_steps(self) -> int:
+        return self.run_config.steps * self.run_config.optim.updates_per_batch
+
+    def restore(self, handed: int, keep_rate: float | None) -> None:
+        """Resume: the batches already trained (the checkpoint's global_step) and the keep rate saved with them."""
+        self.samples_generator.handed = handed
+        if keep_rate is not None:
+            self.samples_generator.keep_rate = keep_rate
+
+    def stop_reason(self) -> str:
+        return self.samples_generator.stop_reason
+
+
+class StarePPOTrainerAsync(ORIGINAL_ASYNC_TRAINER.__ray_actor_class__):
+    """OpenRLHF's async controller making our two halves (StareGenerateSamplesActor, StareTrainingActor), telling the
+    generator on resume how many batches were trained, and stopping the run when either half fails."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        # OpenRLHF's __init__ makes both halves by these module names, in this actor's process.
+        _async_module.GenerateSamplesActor = _ray_remote(StareGenerateSamplesActor, ORIGINAL_GENERATOR_ACTOR)
+        _async_module.TrainingActor = _ray_remote(StareTrainingActor, ORIGINAL_TRAINING_ACTOR)
+        strategy = kwargs.get("strategy", args[1] if len(args) > 1 else None)
+        if strategy is not None and strategy.args.train.partial_rollout_enable:
+            _refuse_without_version_stamps()
+        super().__init__(*args, **kwargs)
+        self.run_config = config_from_env()
+
+    def get_max_steps(self) -> int:
+        return self.run_config.steps * self.run_config.optim.updates_per_batch
+
+    def fit(self) -> None:
+        # OpenRLHF's fit, plus `restore` on the generator, and an end as soon as one half fails: the other may be
+        # blocked on the queue (the trainer waits for a batch with no timeout) and would never return.
+        trainer, generator = self.trainer_actor, self.generator_actor
+        states = ray.get(trainer.init_checkpoint_states.remote())
+        ray.get(trainer.restore_best_checkpoint_state.remote(states))
+        global_step = states["global_step"]
+        refs = [generator.restore.remote(global_step, states.get(KEEP_RATE_KEY))]
+        if global_step > 0:  # the engines get the checkpoint's weights, the generator the prompts' position
+            refs += [
+                generator.load_state_dict.remote(states["data_loader_state_dict"]),
+                trainer.broadcast_to_vllm.remote(),
+            ]
+        ray.get(refs)
+        halves = {
+            generator.fit.remote(episode=states["episode"], total_consumed_prompts=states["total_consumed_prompts"]):
+                generator,
+            trainer.fit.remote(global_step=global_step): trainer,
+        }  # fmt: skip
+        pending = list(halves)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception:
+                for ref in pending:
+                    ray.kill(halves[ref])
+                raise
+
+    def end_report(self) -> dict[str, Any]:
+        report = ray.get(self.trainer_actor.end_report.remote())
+        report["reason"] = ray.get(self.generator_actor.stop_reason.remote())
+        return report
+
+
+def _refuse_without_version_stamps() -> None:
+    """Partial rollouts let a weight update come in the middle of a request; only vLLM's per-token stamps then say
+    which tokens each version sampled."""
+    import vllm
+    import vllm.outputs
+
+    if not hasattr(vllm.outputs, "WeightVersionSpan"):
+        raise NotImplementedError(
+            f"train.partial_rollout_enable: vLLM {vllm.__version__} does not stamp sampled tokens with the weights' "
+            "version (CompletionOutput.weight_versions; vLLM 0.32.0 does), so the policy that sampled each token of "
+            "an episode cut by a weight update would be unknown"
+        )
+
+
+class StareRolloutRayActor(ORIGINAL_ENGINE.__ray_actor_class__):
+    """OpenRLHF's vLLM engine actor that knows the policy version of its weights (0 until the first broadcast) and
+    gives it to vLLM, which stamps every sampled token with the version it had (CompletionOutput.weight_versions;
+    agent.span_versions). The executor reads `policy_version` itself when vLLM has no such stamps."""
+
+    async def __init__(self, *args: Any, **kwargs: Any):
+        await super().__init__(*args, **kwargs)
+        await self.set_policy_version(0)
+
+    async def set_policy_version(self, version: int) -> None:
+        self.policy_version = version
+        if hasattr(self.llm, "update_weight_version"):
+            await self.llm.update_weight_version(str(version))
 
 
 def continued_writer(writer: Any, step: int) -> Any:
@@ -581,13 +801,15 @@ class _RememberedActorClass:
 
 
 def end_report() -> dict[str, Any] | None:
-    """The last trainer's end_report (see StarePPOTrainer), or None if no trainer was made; releases it."""
-    trainer = _remote.get("PPOTrainer")
-    if trainer is None or not trainer.handles:
-        return None
-    handle = trainer.handles.pop()
-    trainer.handles.clear()
-    return ray.get(handle.end_report.remote())
+    """The last trainer's end_report (StareTrainerMixin; StarePPOTrainerAsync in async mode), or None if no trainer
+    was made; releases it."""
+    for name in ("PPOTrainer", "PPOTrainerAsync"):
+        trainer = _remote.get(name)
+        if trainer is not None and trainer.handles:
+            handle = trainer.handles.pop()
+            trainer.handles.clear()
+            return ray.get(handle.end_report.remote())
+    return None
 
 
 _remote: dict[str, Any] = {}
@@ -601,25 +823,34 @@ def _ray_remote(cls: type, like: Any) -> Any:
 def install() -> dict[str, Any]:
     """Put our classes where `openrlhf.cli.train_ppo_ray` takes them from; idempotent.
 
-    Wraps StarePolicyModelActor and StarePPOTrainer with ray.remote and the originals' options, and assigns them
-    to `openrlhf.trainer.ray.ppo_actor.PolicyModelActor` and `openrlhf.trainer.ppo_trainer.PPOTrainer`, and to
-    every already-imported openrlhf module that holds an original under that name (e.g. the CLI module). The CLI
-    imports the actor at module level and the trainer inside train(), so a later
-    `runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")` uses ours. Returns {name: wrapped class}.
+    Wraps StarePolicyModelActor, StarePPOTrainer, StarePPOTrainerAsync and StareRolloutRayActor with ray.remote and
+    the originals' options, and assigns them to the names OpenRLHF takes them by (`ppo_actor.PolicyModelActor`,
+    `ppo_trainer.PPOTrainer`, `ppo_trainer_async.PPOTrainerAsync`, `vllm_engine.RolloutRayActor`), and to every
+    already-imported openrlhf module that holds an original under that name (e.g. the CLI module). The CLI imports
+    the actor at module level and the trainer inside train(), and create_vllm_engines reads the engine class when
+    it runs, so a later `runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")` uses ours. The async
+    trainer's two halves are put in place by StarePPOTrainerAsync itself, in its own process. Returns
+    {name: wrapped class}.
     """
     if not _remote:
         _remote["PolicyModelActor"] = _ray_remote(StarePolicyModelActor, ORIGINAL_ACTOR)
         _remote["PPOTrainer"] = _RememberedActorClass(_ray_remote(StarePPOTrainer, ORIGINAL_TRAINER))
-    originals = {"PolicyModelActor": ORIGINAL_ACTOR, "PPOTrainer": ORIGINAL_TRAINER}
+        _remote["PPOTrainerAsync"] = _RememberedActorClass(_ray_remote(StarePPOTrainerAsync, ORIGINAL_ASYNC_TRAINER))
+        _remote["RolloutRayActor"] = _ray_remote(StareRolloutRayActor, ORIGINAL_ENGINE)
+    places = {
+        "PolicyModelActor": (ORIGINAL_ACTOR, _actor_module),
+        "PPOTrainer": (ORIGINAL_TRAINER, _trainer_module),
+        "PPOTrainerAsync": (ORIGINAL_ASYNC_TRAINER, _async_module),
+        "RolloutRayActor": (ORIGINAL_ENGINE, _engine_module),
+    }
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith("openrlhf"):
             continue
-        for name, original in originals.items():
+        for name, (original, _) in places.items():
             if getattr(module, name, None) is original:
                 setattr(module, name, _remote[name])
-    # The two defining modules, even if something replaced their attribute in between.
-    _actor_module.PolicyModelActor = _remote["PolicyModelActor"]
-    _trainer_module.PPOTrainer = _remote["PPOTrainer"]
+    for name, (_, defining) in places.items():  # even if something replaced their attribute in between
+        setattr(defining, name, _remote[name])
     # The CLI takes create_vllm_engines from the package openrlhf.trainer.ray when it runs.
     if not getattr(_engines_package.create_vllm_engines, "stare_processed_logprobs", False):
         _engines_package.create_vllm_engines = _processed_logprobs(_engines_package.create_vllm_engines)

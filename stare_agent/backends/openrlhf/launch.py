@@ -35,13 +35,10 @@ import yaml
 from stare_agent.backends.openrlhf import resume
 from stare_agent.backends.openrlhf.sft import DTYPES, SCHEDULES, local_only_problems
 from stare_agent.config import ConfigError, RLConfig, SFTConfig, run_path, save_config, to_dict
-from stare_agent.entropy_control import UPDATE_METHODS
 from stare_agent.reruns import check_fresh_start
 
 # OpenRLHF flags we refuse in the openrlhf block: (flag, allowed values or None for "never", why).
 REFUSED: list[tuple[str, tuple[Any, ...] | None, str]] = [
-    ("train.async_enable", (False,), "STARE and the on-policy ratio assume synchronous rollouts"),
-    ("train.partial_rollout_enable", (False,), "partial rollouts mix policies within a batch"),
     (
         "ds.ring_attn_size",
         (1,),
@@ -153,12 +150,6 @@ def check_block(config: RLConfig, ours: dict[str, tuple[Any, str]]) -> None:
             "model.dtype=float16: OpenRLHF 0.11.2's vLLM engines run in bfloat16 (vllm_engine.py) and refuse weights "
             "of another dtype at the first weight sync; use bfloat16"
         )
-    correction = config.openrlhf.get("algo.advantage.is_correction_level", "off")
-    if config.entropy_control.method in UPDATE_METHODS and correction != "off":
-        problems.append(
-            f"openrlhf.algo.advantage.is_correction_level={correction}: the {config.entropy_control.method} loss "
-            "does not apply OpenRLHF's importance-sampling correction; leave it off"
-        )
     if problems:
         raise ConfigError("backend openrlhf (rl): " + "; ".join(problems))
     _refuse(config.openrlhf, ours, REFUSED)
@@ -208,6 +199,36 @@ def even_split_problems(config: RLConfig, namespace: Any) -> list[str]:
     return problems
 
 
+def async_problems(namespace: Any) -> list[str]:
+    """What OpenRLHF's async mode (train.async_enable, train.partial_rollout_enable) cannot run with here; [] if fine.
+
+    Over-sampling (rollout.vllm_generate_batch_size above rollout.batch_size) is refused: OpenRLHF keeps the extra
+    samples in a buffer that a checkpoint does not save while the prompt loader's position has moved past them, so a
+    resume skips those prompts; the sample generator over-samples inside each batch instead
+    (rollout.max_dispatch_factor), and a resume draws again every prompt of a batch not yet trained.
+    """
+    flags = vars(namespace)
+    problems = []
+    on = flags["train.async_enable"]
+    if flags["train.partial_rollout_enable"] and not on:
+        problems.append("openrlhf.train.partial_rollout_enable needs openrlhf.train.async_enable")
+    if on and flags["vllm.enable_sleep"]:
+        problems.append(
+            "openrlhf.vllm.enable_sleep with openrlhf.train.async_enable: async engines generate while the ranks "
+            "train, so they cannot sleep; give engines and training ranks GPUs of their own (docs/cluster.md)"
+        )
+    if on and flags["train.async_queue_size"] < 1:
+        problems.append(f"openrlhf.train.async_queue_size={flags['train.async_queue_size']}: at least 1 batch")
+    generate = flags["rollout.vllm_generate_batch_size"]
+    if generate and generate != flags["rollout.batch_size"]:
+        problems.append(
+            f"openrlhf.rollout.vllm_generate_batch_size={generate}: OpenRLHF's over-sampling buffer is not saved in "
+            "checkpoints, so a resume would skip its prompts; over-sample within each batch with "
+            "rollout.max_dispatch_factor instead"
+        )
+    return problems
+
+
 def to_argv(flags: dict[str, Any]) -> list[str]:
     """Flags (name without dashes -> value) as command-line words: True = the bare flag, False/None = left out."""
     argv: list[str] = []
@@ -232,6 +253,9 @@ def resolve_rl(config: RLConfig, run_dir: Path | None = None) -> tuple[list[str]
     ours = rl_flags(config, run_dir.absolute(), agent_file)
     check_block(config, ours)
     argv, namespace = _checked_by_openrlhf(upstream.RL_CLI, ours, config.openrlhf)
+    problems = async_problems(namespace)
+    if problems:
+        raise ConfigError("backend openrlhf: " + "; ".join(problems))
     uneven = even_split_problems(config, namespace)
     if uneven:
         raise ConfigError(

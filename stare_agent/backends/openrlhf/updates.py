@@ -19,6 +19,12 @@ it (the method, its settings, the step, the entropy bonus's alpha) reaches every
   (loss.on_actions), so a masked position cannot turn the loss or its gradient NaN. For every method it adds the
   update's ratio statistics to the micro-batch's `info`, which OpenRLHF averages over tokens and logs
   (`train/clip_frac_high`, ...).
+- **The rollout-trainer mismatch correction** (`algo.advantage.is_correction_*`, docs/entropy_control.md). For the
+  other methods OpenRLHF's PolicyLoss applies it. For Clip-Cov and KL-Cov `MethodLoss` applies the same correction,
+  read from the rank's PolicyLoss: each token's loss times `loss.mismatch_correction`'s coef before
+  `aggregate_loss`, and OpenRLHF's `vllm_kl` and `is_filter_ratio` returned for its logs. As in OpenRLHF, the whole
+  per-token loss is weighted, so KL-Cov's penalty k|log pi - log pi_old| on its selected tokens is weighted too
+  (like the surrogate, it averages over tokens the engine sampled); OpenRLHF's entropy term is not.
 - **Non-finite gradients.** An optimizer update whose gradients are NaN or infinite stops the run (exit code 6),
   as in the local backend, where DeepSpeed would skip it silently or, under ZeRO-3 with bf16, apply it
   (upstream.checking_updates, put in place of the strategy's optimizer_step).
@@ -38,7 +44,7 @@ from torch import Tensor
 from stare_agent import protocol
 from stare_agent.backends.openrlhf import upstream
 from stare_agent.entropy_control import UPDATE_METHODS, EntropyControl, selection_loss_terms
-from stare_agent.loss import on_actions, ratio_stats, token_losses
+from stare_agent.loss import mismatch_correction, on_actions, ratio_stats, token_losses
 from stare_agent.step import UpdatePart, class_masks, update_selection
 
 _actor_module = upstream.import_openrlhf("openrlhf.trainer.ray.ppo_actor")
@@ -215,6 +221,9 @@ class MethodLoss:
                 log_probs, old_log_probs, advantages, eps_low=config.loss.eps_low, eps_high=config.loss.eps_high,
                 dual_clip=self.original.dual_clip, **selection_loss_terms(method, selected, config.kl_cov.coef),
             )  # fmt: skip
+            vllm_kl = is_filter_ratio = None
+            if self.original.is_correction_level != "off":
+                loss, vllm_kl, is_filter_ratio = self._corrected(loss, old_log_probs, rollout_log_probs, action_mask)
             total = _loss_module().aggregate_loss(
                 loss, action_mask, token_level_loss=True, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
                 global_batch_size=global_batch_size,
@@ -229,7 +238,7 @@ class MethodLoss:
             if tokenizer is not None:
                 exp.info.update(class_shares(selected, mask, experience_classes(tokenizer, exp).to(mask.device)))
             exp.info["control/weight_mean"] = 1.0 - share if method == "clip_cov" else torch.ones(())
-            out = (total, clip_ratio.float(), ppo_kl, None, None)
+            out = (total, clip_ratio.float(), ppo_kl, vllm_kl, is_filter_ratio)
         else:
             out = self.original(
                 log_probs, old_log_probs, advantages, action_mask=action_mask, rollout_log_probs=rollout_log_probs,
@@ -245,6 +254,26 @@ class MethodLoss:
         exp.info["ratio_abs_dev"] = stats["ratio_dev"] / tokens
         exp.info["approx_kl"] = stats["approx_kl"] / tokens
         return out
+
+    def _corrected(
+        self, loss: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor | None, action_mask: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The per-token loss times the mismatch correction's coef, with OpenRLHF's vllm_kl (the masked mean of
+        log pi_rollout - log pi_old) and is_filter_ratio, from the settings of the rank's PolicyLoss."""
+        if rollout_log_probs is None:
+            raise RuntimeError(
+                f"openrlhf.algo.advantage.is_correction_level={self.original.is_correction_level} needs the engine's "
+                "log-probs of the sampled tokens, and this micro-batch has none (experience.rollout_log_probs); our "
+                "agent executor returns them (episodes.py): is it in use?"
+            )
+        low, high = self.original.is_correction_threshold
+        coef, is_filter_ratio = mismatch_correction(
+            old_log_probs, rollout_log_probs, action_mask, level=self.original.is_correction_level,
+            mode=self.original.is_correction_mode, gating=self.original.is_correction_gating, low=low, high=high,
+        )  # fmt: skip
+        mask = action_mask.bool()
+        vllm_kl = (rollout_log_probs - old_log_probs).masked_fill(~mask, 0).sum() / mask.sum().clamp_min(1)
+        return coef.to(loss.dtype) * loss, vllm_kl.detach(), is_filter_ratio
 
 
 def _loss_module() -> Any:
