@@ -1,11 +1,13 @@
-"""The cluster run, rehearsed on CPU: two DeepSpeed ranks under ZeRO-3 on two Ray nodes, colocated with two vLLM
-engines as the paper configs place them, the sandbox reached as a service by URL.
+"""The cluster run, rehearsed on CPU: two DeepSpeed ranks under ZeRO-3 on two Ray nodes and two vLLM engines on two
+more, in async mode with partial rollouts (the engines generate the next batch while the ranks train, and a weight
+sync pauses them mid-episode), the sandbox reached as a service by URL.
 
-One `stare-agent rl` process joins a Ray cluster of a head and a worker node (`ray.cluster_utils.Cluster`: separate
-raylets and object stores on this machine, as `ray start` makes them), each declaring one GPU, so OpenRLHF's
-colocated placement group (one {"GPU": 1, "CPU": 1} bundle per rank, PACK) puts rank 0 with engine 0 on one node
-and rank 1 with engine 1 on the other; our config reaches the executors on both nodes through Ray's runtime_env.
-Checkpoints and the final model go under one path (this machine's disk stands for the shared file system).
+One `stare-agent rl` process joins a Ray cluster of a head and three worker nodes (`ray.cluster_utils.Cluster`:
+separate raylets and object stores on this machine, as `ray start` makes them), each declaring one GPU. In async
+mode OpenRLHF colocates only the DeepSpeed models (one {"GPU": 1, "CPU": 1} bundle per rank, PACK, so one rank per
+node) and gives the engines a placement group of their own: rank 0 and rank 1 run on two nodes, engine 0 and engine
+1 on the other two; our config reaches the executors on every node through Ray's runtime_env. Checkpoints and the
+final model go under one path (this machine's disk stands for the shared file system).
 
 The prompt set makes a partial last batch under OpenRLHF's own accounting (half the gold answers are out of the
 model's reach, so half the groups are dropped; a prompt budget of steps x prompts_per_step, which the launcher
@@ -47,6 +49,7 @@ from test_openrlhf_e2e import (
 __all__ = ["coin_model"]  # a fixture, used by name
 
 STEPS, PROMPTS, GROUP, RANKS = 2, 2, 4, 2
+NODES = 4  # one GPU each: two for the ranks, two for the engines
 TOKEN_BUDGET = 120
 CLUSTER_RUN_TIMEOUT_S = 900
 
@@ -61,8 +64,8 @@ def sandbox_url():
 
 
 @pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
-    """A head and a worker node, one (declared) GPU each; their workers start with the CPU shim in place."""
+def nodes(tmp_path_factory):
+    """A head and three worker nodes, one (declared) GPU each; their workers start with the CPU shim in place."""
     from ray.cluster_utils import Cluster
 
     report = tmp_path_factory.mktemp("cluster_report")
@@ -74,10 +77,11 @@ def two_nodes(tmp_path_factory):
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     saved = {key: os.environ.get(key) for key in shim_env}
-    os.environ.update(shim_env)  # the raylets, and so every worker on both nodes, inherit this environment
+    os.environ.update(shim_env)  # the raylets, and so every worker on every node, inherit this environment
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 1})
     try:
-        cluster.add_node(num_cpus=4, num_gpus=1)
+        for _ in range(NODES - 1):
+            cluster.add_node(num_cpus=4, num_gpus=1)
         cluster.wait_for_nodes()
         yield NS(address=cluster.address, report=report)
     finally:
@@ -109,7 +113,9 @@ def cluster_config(folder: Path, model: Path, sandbox_url: str) -> Path:
         "actor.num_gpus_per_node": RANKS,
         "vllm.num_engines": RANKS,
         "vllm.tensor_parallel_size": 1,
-        "train.colocate_all": True,
+        "train.colocate_all": True,  # async mode: the ranks only (OpenRLHF), the engines on GPUs of their own
+        "train.async_enable": True,
+        "train.partial_rollout_enable": True,
         "ds.zero_stage": 3,
         "vllm.enable_prefix_caching": True,
         "vllm.sync_backend": "gloo",
@@ -123,17 +129,17 @@ def cluster_config(folder: Path, model: Path, sandbox_url: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster_run(coin_model, two_nodes, sandbox_url, tmp_path_factory):
+def cluster_run(coin_model, nodes, sandbox_url, tmp_path_factory):
     folder = tmp_path_factory.mktemp("openrlhf_cluster")
     config = cluster_config(folder, coin_model, sandbox_url)
     result = run_cli(
-        config, two_nodes.report, folder / "run.log", env={"RAY_ADDRESS": two_nodes.address},
+        config, nodes.report, folder / "run.log", env={"RAY_ADDRESS": nodes.address},
         timeout_s=CLUSTER_RUN_TIMEOUT_S,
     )  # fmt: skip
-    print(f"\nstare-agent rl (openrlhf, {RANKS} ranks, ZeRO-3, 2 nodes) timings: {result.phases}")
+    print(f"\nstare-agent rl (openrlhf, {RANKS} ranks, ZeRO-3, async, {NODES} nodes) timings: {result.phases}")
     assert result.returncode is not None, f"the run did not end in {CLUSTER_RUN_TIMEOUT_S} s: " + result.output[-6000:]
     assert result.returncode == 0, result.output[-6000:]
-    result.run_dir, result.report, result.address = folder / "runs" / "rl", two_nodes.report, two_nodes.address
+    result.run_dir, result.report, result.address = folder / "runs" / "rl", nodes.report, nodes.address
     return result
 
 
@@ -158,12 +164,12 @@ def test_every_rank_ran_packed_token_budget_micro_batches_the_same_number_per_up
         assert all(c == counts[0] for c in counts), counts
 
 
-def test_the_run_used_both_nodes(cluster_run):
+def test_the_ranks_ran_on_two_nodes_and_the_engines_on_two_others(cluster_run):
     """Where each rank and engine ran (the shim's reports: the Ray node id of each process)."""
     ranks = [torch.load(path)["node"] for path in sorted(cluster_run.report.glob("rank*-final.pt"))]
     engines = [path.read_text() for path in sorted(cluster_run.report.glob("engine-node-*.txt"))]
-    assert len(ranks) == RANKS and len(set(ranks)) == 2  # one rank on each node
-    assert len(engines) == RANKS and set(engines) == set(ranks)  # and one engine
+    assert len(ranks) == RANKS and len(set(ranks)) == 2  # one rank on each of two nodes
+    assert len(engines) == RANKS and len(set(engines)) == 2 and not set(engines) & set(ranks)
 
 
 def test_it_trained_exactly_steps_full_batches_and_wrote_the_final_model(cluster_run, coin_model):
@@ -226,3 +232,14 @@ def test_kl_cov_ran_at_both_updates_of_every_step_on_both_ranks(cluster_run):
     assert sorted(logged["train/approx_kl"]) == [1, 2] and all(kl >= 0 for kl in logged["train/approx_kl"].values())
     assert sorted(logged["train/clip_frac_high"]) == [1, 2]
     assert logged["train/control/coef"] == {1: 1.0, 2: 1.0}
+
+
+def test_every_sampled_token_carries_its_policy_version_and_lags_at_most_the_queue(cluster_run):
+    """Async with a queue of one batch: step 1 trains what the initial weights sampled (lag 0); step 2's batch was
+    generated while step 1 trained, by the initial weights or, after step 1's sync paused the engines mid-episode,
+    by its weights: a lag of 0 or 1 per token, and every action token's version known (vLLM's stamps)."""
+    logged = {tag: dict(values) for tag, values in scalars(cluster_run.run_dir).items()}
+    assert logged["train/staleness/unversioned_share"] == {1: 0.0, 2: 0.0}
+    assert logged["train/staleness/lag_max"][1] == 0 and logged["train/staleness/lag_max"][2] in (0.0, 1.0)
+    assert 0 <= logged["train/staleness/lag_mean"][2] <= 1
+    assert sorted(logged["train/timing/trainer_wait"]) == [1, 2]

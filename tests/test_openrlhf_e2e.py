@@ -97,10 +97,10 @@ def test_a_config_error_is_raised_before_anything_starts(tmp_path):
             "model.dtype": ("bfloat16", "test"),
             "data.train_file": (str(tmp_path / "prompts.jsonl"), "test"),
             "run.output_dir": (str(tmp_path / "runs"), "test"),
-            "openrlhf": ({"train.async_enable": True}, "test"),
+            "openrlhf": ({"train.async_enable": True, "vllm.enable_sleep": True}, "test"),
         },
     )
-    with pytest.raises(ConfigError, match="train.async_enable"):
+    with pytest.raises(ConfigError, match="so they cannot sleep"):
         launch.run_rl(config)
     assert not (tmp_path / "runs").exists()  # no run folder, no Ray
 
@@ -504,17 +504,21 @@ def service_sessions(url: str) -> int:
 @pytest.mark.slow
 @needs_the_stack
 def test_a_sandbox_restart_a_killed_driver_and_a_cut_short_save_lose_nothing(coin_model, tmp_path):
-    """The faults a cluster sees, in one run of 3 steps with the sandbox as a service: the service is killed while
-    step 1's episodes hold sessions and comes back on its port 30 s later (the run goes on, the groups that failed
-    in the sandbox meanwhile counted and replaced); the driver
-    is SIGKILLed once the step-2 checkpoint is complete, and that save is then made to look cut short (its
-    completion mark gone, a shard truncated, DeepSpeed's `latest` emptied, as a full disk leaves it). The same
-    command again continues from step 1's checkpoint, the last complete one, and trains steps 2 and 3: each step
-    appears once in TensorBoard and the run ends with `steps` full batches and its final model."""
+    """The faults a cluster sees, in one run of 3 steps with the sandbox as a service, in async mode with partial
+    rollouts (the generator a batch ahead of the trainer): the service is killed while step 1's episodes hold
+    sessions and comes back on its port 30 s later (the run goes on, the groups that failed in the sandbox
+    meanwhile counted and replaced); the driver is SIGKILLed once the step-2 checkpoint is complete, with the next
+    batch queued or half generated, and that save is then made to look cut short (its completion mark gone, a shard
+    truncated, DeepSpeed's `latest` emptied, as a full disk leaves it). The same command again continues from step
+    1's checkpoint, the last complete one, and trains steps 2 and 3: each step appears once in TensorBoard, the
+    prompt position counts every prompt the kept steps drew (what was in flight at the crash is drawn again, none
+    skipped), and the run ends with `steps` full batches and its final model."""
     from procs import sandbox_service
 
     steps, run_dir = 3, tmp_path / "runs" / "rl"
-    config_path = write_run_config(tmp_path, coin_model, steps)
+    config_path = write_run_config(
+        tmp_path, coin_model, steps, **{"train.async_enable": True, "train.partial_rollout_enable": True}
+    )
     actor = run_dir / "checkpoints" / "_actor"
     with sandbox_service(2) as service:
         config = yaml.safe_load(config_path.read_text())
@@ -556,6 +560,13 @@ def test_a_sandbox_restart_a_killed_driver_and_a_cut_short_save_lose_nothing(coi
     logged = scalars(run_dir)
     assert [step for step, _ in logged["train/rollout/groups_kept"]] == [1, 2, 3]  # each step once
     assert (run_dir / "final" / "model.safetensors").exists()
+    # The prompt position: every prompt the three kept steps drew, and nothing else (the batch in flight at the
+    # crash was drawn again after the resume, from step 1's position). 8 prompts, drawn in passes.
+    states = model_states(run_dir, steps)
+    drawn = sum(value for _, value in logged["train/rollout/prompts_consumed"])
+    assert states["total_consumed_prompts"] == drawn
+    assert (drawn - states["data_loader_state_dict"]["_num_yielded"]) % 8 == 0
+    assert sorted(step for step, _ in logged["train/staleness/lag_max"]) == [1, 2, 3]
 
 
 OUTAGE_S = 30.0

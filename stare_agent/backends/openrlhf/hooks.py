@@ -42,6 +42,7 @@ import inspect
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -342,6 +343,36 @@ def _processed_logprobs(create: Any) -> Any:
     return create_vllm_engines
 
 
+class WaitClock:
+    """A queue (OpenRLHF's Ray queues of async mode) whose blocking `get` and `put` add up the time they waited."""
+
+    def __init__(self, queue: Any):
+        self.queue = queue
+        self.waited = 0.0
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        try:
+            return self.queue.get(*args, **kwargs)
+        finally:
+            self.waited += time.monotonic() - started
+
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        try:
+            return self.queue.put(*args, **kwargs)
+        finally:
+            self.waited += time.monotonic() - started
+
+    def pop(self) -> float:
+        """Seconds waited since the last pop."""
+        waited, self.waited = self.waited, 0.0
+        return waited
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.queue, name)
+
+
 class RolloutBatch(list):
     """One full batch's samples (OpenRLHF's list of per-sample Experiences) with what the generator knew when it
     made it: the batch's rollout/ metrics (`fill_metrics`) and the keep rate after it. In async mode the batch
@@ -386,6 +417,7 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
         """The last batch's rollout/ metrics (batching.BatchFill.metrics), added to that step's logs."""
         self._loader_iter: Any = None
         self._seen: list[dict[str, float]] = []  # the group being judged: each sample's batching.episode_stats
+        self._handed_at: float | None = None  # when the last batch was handed on (time.monotonic)
 
     @classmethod
     def replacing(cls, generator: Any, config: RLConfig) -> StareSamplesGenerator:
@@ -414,6 +446,8 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
     def generate_samples(self, **generate_kwargs: Any) -> tuple[list, float | None, int, bool]:
         if self.handed >= self.steps:  # a resumed run that had already trained them all
             return [], None, 0, True
+        # Since the last batch: in sync mode the trainer's step; in async mode a full queue or the weight sync's lock
+        idle = 0.0 if self._handed_at is None else time.monotonic() - self._handed_at
         r = self.rollout
         fill = BatchFill(r.prompts_per_step, r.prompt_budget, r.max_sandbox_failure_fraction)
         if self.args.vllm.enable_sleep:
@@ -425,11 +459,13 @@ class StareSamplesGenerator(_samples_module.SamplesGenerator):
                 _samples_module.batch_vllm_engine_call(self.vllm_engines, "sleep")
         self.keep_rate = fill.keep_rate() or self.keep_rate
         self.fill_metrics = fill.metrics()
+        self.fill_metrics["timing/generator_wait"] = idle
         fill.check_sandbox()
         if not fill.full:
             self.stop_reason = fill.why_not_full()
             return [], None, fill.consumed, True
         self.handed += 1
+        self._handed_at = time.monotonic()
         batch = RolloutBatch(experiences, fill_metrics=self.fill_metrics, keep_rate=self.keep_rate)
         return batch, 100.0 * fill.kept / fill.consumed, fill.consumed, self.handed >= self.steps
 
@@ -626,8 +662,10 @@ class _VersionStamp(_trainer_module.BasePPOTrainer):
     resume: every token sampled after the resume carries the new version (StareRolloutRayActor)."""
 
     def broadcast_to_vllm(self) -> None:
+        started = time.monotonic()
         super().broadcast_to_vllm()
         ray.get([engine.set_policy_version.remote(self.policy_version) for engine in self.vllm_engines or []])
+        self.sync_seconds = time.monotonic() - started  # the transfer itself, without async mode's lock and pause
 
 
 class StarePPOTrainer(StareTrainerMixin, ORIGINAL_TRAINER.__ray_actor_class__, _VersionStamp):
@@ -648,13 +686,27 @@ class StareTrainingActor(StareTrainerMixin, ORIGINAL_TRAINING_ACTOR.__ray_actor_
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.setup_stare(config_from_env())
+        self.rollout_queue = WaitClock(self.rollout_queue)  # OpenRLHF's loop blocks on it for the next batch
+        self.lock_wait = 0.0
+
+    def train_step(self, rollout_samples: list, global_step: int) -> tuple[dict, int]:
+        """OpenRLHF's step plus `timing/trainer_wait`: the time this step waited for its batch on the queue and, at
+        its weight sync, for the engines (the lock the generator holds while it generates, or the pause and
+        resume of partial rollouts)."""
+        waited = self.rollout_queue.pop()
+        status, next_step = super().train_step(rollout_samples, global_step)
+        status["timing/trainer_wait"] = waited + self.lock_wait
+        self.lock_wait = 0.0
+        return status, next_step
 
     def broadcast_to_vllm(self) -> None:
         # Defined here so that the method Ray wraps for the actor is this importable one. Ray wraps each method the
         # actor class resolves and pickles the wrapper by value; OpenRLHF's own TrainingActor.broadcast_to_vllm,
         # reached from a class whose module name is a Ray wrapper, would travel as a copy bound to a copy of
         # TrainingActor, and its zero-argument super() would then fail on our instance.
+        started = time.monotonic()
         super().broadcast_to_vllm()
+        self.lock_wait += time.monotonic() - started - self.sync_seconds
 
 
 class StareGenerateSamplesActor(ORIGINAL_GENERATOR_ACTOR.__ray_actor_class__):
