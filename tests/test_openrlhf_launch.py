@@ -265,7 +265,7 @@ def test_async_training_and_partial_rollouts_are_accepted(tmp_path):
     [
         (["openrlhf.train.partial_rollout_enable=true"], "partial_rollout_enable needs openrlhf.train.async_enable"),
         (
-            ["openrlhf.train.async_enable=true", "openrlhf.vllm.enable_sleep=true", "openrlhf.train.colocate_all=1"],
+            ["openrlhf.train.async_enable=true", "openrlhf.vllm.enable_sleep=true", "openrlhf.ds.enable_sleep=true"],
             "async engines generate while the ranks train, so they cannot sleep",
         ),
         (["openrlhf.train.async_enable=true", "openrlhf.train.async_queue_size=0"], "async_queue_size=0: at least 1"),
@@ -346,7 +346,8 @@ def shipped_openrlhf_configs() -> list[tuple[Path, type]]:
 
 
 SHIPPED = shipped_openrlhf_configs()
-PAPER_RL = {p.stem: p for p, cls in SHIPPED if p.stem.startswith("rl_paper_")}
+PAPER_RL = {p.stem: p for p, cls in SHIPPED if p.stem.startswith("rl_paper_") and not p.stem.endswith("_async")}
+"""The three configs the paper compares, colocated and synchronous (rl_paper_stare_c2_async is C2's async shape)."""
 
 
 def test_the_paper_configs_are_shipped():
@@ -485,6 +486,29 @@ def test_paper_rl_configs_differ_only_in_the_method_stare_and_run_name():
     first, *rest = cfgs.values()
     for other in rest:
         assert comparable(other) == comparable(first)
+
+
+@needs_openrlhf
+def test_the_async_paper_shape_is_c2_with_engines_and_ranks_apart(tmp_path):
+    """rl_paper_stare_c2_async: C2's settings exactly, outside run.name and the placement; engines and ranks on GPUs
+    of their own (async mode cannot sleep), one batch ahead, the token-level mask correction, and no partial
+    rollouts, which the GPU pin's vLLM 0.29.0 cannot record versions for (hooks.version_stamp_problem)."""
+    from stare_agent.config import to_dict
+
+    sync = to_dict(load_config(RLConfig, PAPER_RL["rl_paper_stare_c2"]))
+    shape = to_dict(load_config(RLConfig, CONFIGS_DIR / "rl_paper_stare_c2_async.yaml"))
+    for cfg in (sync, shape):
+        cfg["run"].pop("name")
+    block = shape.pop("openrlhf")
+    sync.pop("openrlhf")
+    assert shape == sync
+    cfg = load_config(RLConfig, CONFIGS_DIR / "rl_paper_stare_c2_async.yaml", REQUIRED)
+    _, namespace = resolve_rl(cfg, tmp_path / "run")
+    ns = vars(namespace)
+    assert ns["train.async_enable"] and not ns["train.partial_rollout_enable"] and ns["train.async_queue_size"] == 1
+    assert not (ns["train.colocate_all"] or ns["vllm.enable_sleep"] or ns["ds.enable_sleep"])
+    assert ns["vllm.num_engines"] == ns["actor.num_gpus_per_node"] == 8  # 16 GPUs: two nodes
+    assert ns["algo.advantage.is_correction_level"] == "token" and block["algo.advantage.is_correction_mode"] == "mask"
 
 
 # --- reruns over a run folder (resume.py) ---------------------------------------------------------------------------

@@ -278,12 +278,12 @@ def rollout_mismatch(experiences: list) -> dict[str, float]:
 
 
 def correction_metrics(experiences: list, settings: Any) -> dict[str, float]:
-    """What OpenRLHF's mismatch correction (`settings`: args.algo.advantage, is_correction_*) does to the step, over
-    all its action tokens (loss.correction_stats): the importance weights' mean and extremes, the share of tokens
-    masked or clipped. The gate reads only the trainer's and the engine's log-probs of the sampled tokens, which
-    the step's experiences hold, so the numbers are exact here, where OpenRLHF's own logs would only average them
-    per micro-batch. {} with the correction off."""
-    if settings.is_correction_level == "off" or any(exp.rollout_log_probs is None for exp in experiences):
+    """The importance weights pi_old / pi_rollout over all the step's action tokens, their mean and extremes, and with
+    OpenRLHF's mismatch correction on (`settings`: args.algo.advantage, is_correction_*) the share of tokens it
+    masked or clipped (loss.correction_stats). The gate reads only the trainer's and the engine's log-probs of the
+    sampled tokens, which the step's experiences hold, so the numbers are exact here, where OpenRLHF's own logs
+    would only average them per micro-batch. {} when the engines returned no log-probs."""
+    if any(exp.rollout_log_probs is None for exp in experiences):
         return {}
     width = max(exp.action_mask.shape[1] for exp in experiences)
 
@@ -291,11 +291,15 @@ def correction_metrics(experiences: list, settings: Any) -> dict[str, float]:
         parts = [getattr(exp, name).float().cpu() for exp in experiences]
         return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts])
 
-    low, high = settings.is_correction_threshold
+    on = settings.is_correction_level != "off"
+    low, high = settings.is_correction_threshold if on else (0.0, math.inf)  # off: a band that holds every weight
     stats = correction_stats(
-        rows("action_log_probs"), rows("rollout_log_probs"), rows("action_mask"), level=settings.is_correction_level,
-        mode=settings.is_correction_mode, gating=settings.is_correction_gating, low=low, high=high,
+        rows("action_log_probs"), rows("rollout_log_probs"), rows("action_mask"),
+        level=settings.is_correction_level if on else "token", mode=settings.is_correction_mode if on else "mask",
+        gating=settings.is_correction_gating if on else "ratio", low=low, high=high,
     )  # fmt: skip
+    if not on:
+        stats.pop("mismatch/corrected_share")
     return {name: float(value) for name, value in stats.items()}
 
 
@@ -741,9 +745,6 @@ class StarePPOTrainerAsync(ORIGINAL_ASYNC_TRAINER.__ray_actor_class__):
         # OpenRLHF's __init__ makes both halves by these module names, in this actor's process.
         _async_module.GenerateSamplesActor = _ray_remote(StareGenerateSamplesActor, ORIGINAL_GENERATOR_ACTOR)
         _async_module.TrainingActor = _ray_remote(StareTrainingActor, ORIGINAL_TRAINING_ACTOR)
-        strategy = kwargs.get("strategy", args[1] if len(args) > 1 else None)
-        if strategy is not None and strategy.args.train.partial_rollout_enable:
-            _refuse_without_version_stamps()
         super().__init__(*args, **kwargs)
         self.run_config = config_from_env()
 
@@ -785,18 +786,20 @@ class StarePPOTrainerAsync(ORIGINAL_ASYNC_TRAINER.__ray_actor_class__):
         return report
 
 
-def _refuse_without_version_stamps() -> None:
-    """Partial rollouts let a weight update come in the middle of a request; only vLLM's per-token stamps then say
-    which tokens each version sampled."""
+def version_stamp_problem() -> str:
+    """Why this install's vLLM cannot run partial rollouts, or ''. A weight update then comes in the middle of a
+    request, and only vLLM's per-token stamps (CompletionOutput.weight_versions) say which tokens each version
+    sampled: vLLM 0.32.0 has them, 0.29.0 (the GPU pin) has the engine's weight version but not the stamps."""
     import vllm
     import vllm.outputs
 
-    if not hasattr(vllm.outputs, "WeightVersionSpan"):
-        raise NotImplementedError(
-            f"train.partial_rollout_enable: vLLM {vllm.__version__} does not stamp sampled tokens with the weights' "
-            "version (CompletionOutput.weight_versions; vLLM 0.32.0 does), so the policy that sampled each token of "
-            "an episode cut by a weight update would be unknown"
-        )
+    if hasattr(vllm.outputs, "WeightVersionSpan"):
+        return ""
+    return (
+        f"openrlhf.train.partial_rollout_enable: vLLM {vllm.__version__} does not stamp each sampled token with the "
+        "weights' version, so the policy that sampled the tokens of an episode cut by a weight sync would be unknown; "
+        "run async without partial rollouts, or install a vLLM that stamps them (0.32.0 does)"
+    )
 
 
 class StareRolloutRayActor(ORIGINAL_ENGINE.__ray_actor_class__):

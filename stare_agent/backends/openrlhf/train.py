@@ -31,7 +31,7 @@ from pathlib import Path
 
 from stare_agent.backends.openrlhf import episodes, upstream
 from stare_agent.batching import NoStepTrained, SandboxFailures, end_message
-from stare_agent.config import RLConfig, save_config
+from stare_agent.config import ConfigError, RLConfig, save_config
 from stare_agent.runtime import SandboxBroken
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,8 @@ def run(config: RLConfig, argv: list[str], run_dir: Path) -> None:
     """
     from stare_agent.backends.openrlhf import hooks  # imports OpenRLHF: only once we train
 
+    if config.openrlhf.get("train.partial_rollout_enable") and (problem := hooks.version_stamp_problem()):
+        raise ConfigError(problem)  # before Ray starts: the engines and the driver share this install
     save_config(config, run_dir)
     with _ray_session({**ray_env(config), **wandb_env(run_dir)}):
         hooks.install()
