@@ -552,3 +552,16 @@ def test_the_driver_says_an_engines_sandbox_refusal_in_one_line():
     message = f"ActorDiedError: the actor died in its creation task\n...\nstare_agent.runtime.SandboxBroken: {line}\n"
     assert train._sandbox_broken(RuntimeError(message)) == line
     assert train._sandbox_broken(RuntimeError("something else")) == ""
+
+
+def test_the_driver_finds_a_steps_sandbox_failures_through_every_ray_wrapper():
+    """In async mode the generator actor's SandboxFailures reaches the driver inside the controller actor's error,
+    itself inside Ray's: train.run still ends with its one line (exit 3), not with Ray's wrapper."""
+    from stare_agent.backends.openrlhf import train
+    from stare_agent.batching import SandboxFailures
+
+    failures = SandboxFailures("2 of the 3 groups of this step failed in the sandbox")
+    inner, outer = RuntimeError("generator actor"), RuntimeError("controller actor")
+    inner.cause, outer.cause = failures, inner
+    assert train._carried(outer, SandboxFailures) is failures
+    assert train._carried(RuntimeError("no cause"), SandboxFailures) is None

@@ -317,12 +317,16 @@ def test_the_wait_clock_adds_up_the_time_blocked_on_the_queue(hooks):
     assert clock.pop() <= time.monotonic() - started
 
 
-def async_fit_run(hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, queue_size=1, **rollout_keys):
+def async_fit_run(
+    hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, queue_size=1, ranks=None, method="stare",
+    **rollout_keys,
+):  # fmt: skip
     """OpenRLHF's real async loop over our two halves, in this process: GenerateSamplesActor.fit (our generator
     actor, a StareSamplesGenerator over a scripted engine) and TrainingActor.fit (our training actor) in two threads,
     joined by two queues as PPOTrainerAsync joins them (ray.util.queue's blocking get/put; a batch is pickled on its
     way, as Ray does). The update itself (BasePPOTrainer.train_step: DeepSpeed ranks) records its batch, as in
-    test_openrlhf_hooks.fit_run, which runs the sync loop over the same prompts and engine."""
+    test_openrlhf_hooks.fit_run, which runs the sync loop over the same prompts and engine; with `ranks`
+    (NS(group, tokenizer)) OpenRLHF's real train_step runs over that stand-in actor group."""
     import threading
 
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer
@@ -367,15 +371,17 @@ def async_fit_run(hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2
     generator.rollout_slots = slots
 
     trained: list[list] = []
-    monkeypatch.setattr(BasePPOTrainer, "train_step", lambda self, s, g: (trained.append(s), ({}, g + 1))[1])
+    if ranks is None:
+        monkeypatch.setattr(BasePPOTrainer, "train_step", lambda self, s, g: (trained.append(s), ({}, g + 1))[1])
     saved: list[tuple[dict, dict]] = []
     monkeypatch.setattr(
         BasePPOTrainer, "save_logs_and_checkpoints",
         lambda self, step, logs=None, states=None: saved.append((dict(logs), dict(states))),
     )  # fmt: skip
     trainer = object.__new__(hooks.StareTrainingActor)
-    BasePPOTrainer.__init__(trainer, strategy, None, None, None, None, None, None)
-    trainer.setup_stare(config, control(StareConfig()))
+    group, tokenizer = (None, None) if ranks is None else (ranks.group, ranks.tokenizer)
+    BasePPOTrainer.__init__(trainer, strategy, group, None, None, None, None, tokenizer)
+    trainer.setup_stare(config, control(StareConfig(), method=method))
     trainer.rollout_queue, trainer.rollout_slots = hooks.WaitClock(batches), slots  # as its __init__
     trainer.vllm_lock, trainer._partial_rollout, trainer.lock_wait = lock, False, 0.0
 
@@ -524,3 +530,60 @@ def test_partial_rollouts_are_refused_before_ray_starts_on_a_vllm_without_per_to
     with pytest.raises(ConfigError, match="run async without partial rollouts"):
         train.run(config, [], tmp_path / "run")
     assert not (tmp_path / "run").exists()  # nothing written, no Ray
+
+
+class AppendingRank:
+    """A policy rank for OpenRLHF's real train_step without DeepSpeed: the experience pass is ours
+    (StarePolicyModelActor.forward_with_stats over the tiny model), `append` keeps what the update would train on,
+    and LocalGroup's `fit` stands in for the update itself."""
+
+    def __init__(self, hooks, model):
+        from test_openrlhf_hooks import actor_rank, openrlhf_args
+
+        self.rank = actor_rank(hooks, model, 1.0, openrlhf_args(n_samples=4))
+        self.appended: list = []
+
+    def __getattr__(self, name):
+        return getattr(self.rank, name)
+
+    def append(self, experience):
+        self.appended.append(experience)
+
+
+@pytest.mark.parametrize("method", ["stare", "kl_cov"])
+def test_at_staleness_0_async_training_equals_sync_on_the_same_samples(
+    hooks, local_ray, tiny_model, monkeypatch, method
+):
+    """OpenRLHF's real train_step in both loops, over the same prompts and scripted episodes: the experiences the
+    ranks get to train on (advantages weighted by the method, the trainer's log-probs, the engine's), what each rank
+    is told for the update (set_update_control), and every metric the trainer logs are the same, step by step.
+    The ranks' updates are then the same computation on the same inputs. The samples do not depend on the policy
+    (a scripted engine), which is what draining the queue before each step gives."""
+    from test_openrlhf_hooks import LocalGroup, fit_run, model_tokenizer
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # OpenRLHF's `forward`; ours does not need it
+    kinds = ["varied", "flat", "varied", "varied", "flat", "flat", "varied", "varied"]
+    tokenizer = model_tokenizer(tiny_model)
+    runs = []
+    for loop in (fit_run, async_fit_run):
+        rank = AppendingRank(hooks, tiny_model)
+        group = LocalGroup(rank, ranks=1, fit_status={"policy_loss": 0.5})
+        kwargs = {"shuffle": False} if loop is fit_run else {}
+        ranks = NS(group=group, tokenizer=tokenizer)
+        run = loop(hooks, local_ray, monkeypatch, kinds, ranks=ranks, method=method, **kwargs)
+        runs.append(NS(run=run, rank=rank, group=group))
+        monkeypatch.undo()
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    sync, asyn = runs
+    assert len(sync.rank.appended) == len(asyn.rank.appended) == 3 * 3  # 3 steps of 8 samples in micro-batches of 3
+    for a, b in zip(sync.rank.appended, asyn.rank.appended, strict=True):
+        for name in ("sequences", "action_mask", "advantages", "action_log_probs", "rollout_log_probs"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    told = [[kw for name, kw in g.calls if name == "set_update_control"] for g in (sync.group, asyn.group)]
+    assert len(told[0]) == 3 and told[0] == told[1]
+    logged_sync = sync.run.logged
+    logged_async = [logs for logs, _ in asyn.run.saved]
+    for mine, theirs in zip(logged_async, logged_sync, strict=True):
+        shared = {k for k in theirs if not k.startswith("timing/") and k != "generated_samples"}
+        assert shared and {k: mine[k] for k in shared} == {k: theirs[k] for k in shared}
+    assert any(k.startswith("stare/") for k in logged_sync[0]) and "staleness/unversioned_share" in logged_sync[0]

@@ -1235,10 +1235,11 @@ class TimedEngine:
 
 def fit_run(
     hooks, ray, monkeypatch, kinds, *, steps=3, prompts_per_step=2, budget=0, resume_at=0, fraction=0.5, shuffle=True,
-    engine=None, **rollout_keys,
+    engine=None, ranks=None, method="stare", **rollout_keys,
 ):  # fmt: skip
     """OpenRLHF's real PPOTrainer.fit over our trainer, with a StareSamplesGenerator over a real prompt loader and a
-    scripted engine; the update itself (BasePPOTrainer.train_step: DeepSpeed ranks on a GPU) records its batch."""
+    scripted engine; the update itself (BasePPOTrainer.train_step: DeepSpeed ranks on a GPU) records its batch.
+    With `ranks` (NS(group, tokenizer)) OpenRLHF's real train_step runs instead, over that stand-in actor group."""
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer
     from torchdata.stateful_dataloader import StatefulDataLoader  # the loader class OpenRLHF's strategy makes
 
@@ -1267,12 +1268,14 @@ def fit_run(
         trained.append(rollout_samples)
         return {"policy_loss": 0.0}, global_step + 1
 
-    monkeypatch.setattr(BasePPOTrainer, "train_step", train_step)
+    if ranks is None:
+        monkeypatch.setattr(BasePPOTrainer, "train_step", train_step)
     monkeypatch.setattr(BasePPOTrainer, "broadcast_to_vllm", lambda self: None)  # the engine's weights: e2e test
     trainer = object.__new__(hooks.StarePPOTrainer)
-    BasePPOTrainer.__init__(trainer, strategy, None, None, None, None, None, None)
+    group, tokenizer = (None, None) if ranks is None else (ranks.group, ranks.tokenizer)
+    BasePPOTrainer.__init__(trainer, strategy, group, None, None, None, None, tokenizer)
     trainer.prompts_dataloader, trainer.eval_dataloader, trainer.generate_kwargs = loader, None, {}
-    trainer.setup_stare(config, control(StareConfig()))
+    trainer.setup_stare(config, control(StareConfig(), method=method))
     trainer.samples_generator = generator = hooks.StareSamplesGenerator(
         strategy=strategy, prompts_dataloader=loader, eval_dataloader=None, tokenizer=None,
         vllm_engines=[engine or ScriptedEngine(ray)], steps=steps, rollout=rollout,

@@ -94,16 +94,25 @@ def _ray_session(env_vars: dict[str, str]) -> Iterator[bool]:
         ray.shutdown()
 
 
-def _sandbox_broken(exc: BaseException) -> str:
-    """The one line of a SandboxBroken or sandbox ConfigError raised in an engine actor's start, from the Ray error
-    that carries it (its cause, or the creation task's traceback in its message); '' if there is none."""
+def _carried(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The exception of type `kind` that Ray's errors around `exc` carry (their `cause`, a few levels deep: in async
+    mode an actor's error reaches the driver through the controller actor), or None."""
     seen: BaseException | None = exc
-    for _ in range(4):
-        if isinstance(seen, SandboxBroken):
-            return str(seen)
+    for _ in range(6):
+        if isinstance(seen, kind):
+            return seen
         seen = getattr(seen, "cause", None) or getattr(seen, "__cause__", None)
         if seen is None:
             break
+    return None
+
+
+def _sandbox_broken(exc: BaseException) -> str:
+    """The one line of a SandboxBroken or sandbox ConfigError raised in an engine actor's start, from the Ray error
+    that carries it (its cause, or the creation task's traceback in its message); '' if there is none."""
+    broken = _carried(exc, SandboxBroken)
+    if broken is not None:
+        return str(broken)
     for line in str(exc).splitlines():
         if "SandboxBroken: " in line:
             return line.split("SandboxBroken: ", 1)[1]
@@ -140,9 +149,9 @@ def run(config: RLConfig, argv: list[str], run_dir: Path) -> None:
             try:
                 runpy.run_module(upstream.RL_CLI, run_name="__main__")
             except Exception as exc:
-                cause = getattr(exc, "cause", None)  # a RayTaskError carries the actor's exception
-                if isinstance(cause, SandboxFailures):
-                    raise SandboxFailures(str(cause)) from None
+                failures = _carried(exc, SandboxFailures)  # raised in the trainer, or in async mode the generator
+                if failures is not None:
+                    raise SandboxFailures(str(failures)) from None
                 broken = _sandbox_broken(exc)
                 if broken:  # an engine's check at its start (agent_executor.AgentExecutor)
                     raise SandboxBroken(broken) from None
