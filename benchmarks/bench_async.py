@@ -1,6 +1,6 @@
 """Async training on the openrlhf backend: step time and each side's waits, sync against async and partial rollouts.
 
-    .venv-openrlhf/bin/python benchmarks/bench_async.py --out runs/bench-async     # ~11 min on 2 idle cores
+    .venv-openrlhf/bin/python benchmarks/bench_async.py --out runs/bench-async     # ~16 min on 2 idle cores
 
 Why: in OpenRLHF's default (sync) loop the engine is idle while the ranks train and the ranks are idle while the
 engine generates, so a step costs generation plus training. With `train.async_enable` a generator actor fills a
@@ -32,14 +32,15 @@ blocked on the queue for the batch, plus, at its weight sync, on the engines' lo
 `staleness/lag_mean`, `staleness/lag_max`, `staleness/mixed_episodes`; `rollout_logprob_abs_diff`, the mean
 |log π_roll − log π_old| of the sampled tokens (the engine against the trainer's experience pass: numerics at lag 0,
 numerics and staleness above it); and `rollout/prompts_consumed`, since a step's work varies with the groups it
-drops. The trainer's wait share is, in sync, generation / step (the rank
-waits while the engine generates) and in async trainer_wait / step; the generator's is generator_wait / step. A
-run's numbers are over steps 2 to N-1: the median step time, each side's waits summed over the summed step time,
-the means of the rest and the largest lag; a mode's are the medians over its runs. Step 1 holds the start-up. Step
-N is left out because async mode without partial rollouts shortens it: the generator holds the engines' lock while
-it generates, so the weight sync that ends a step waits for the next batch to be generated (in trainer_wait and
-inside `timing/broadcast`), and after the last step there is none to wait for (seen: 0.5 s against 13.5 s). The
-per-step table shows every step from 2.
+drops. The trainer's wait share is, in sync, generation / step (the rank waits while the engine generates) and in
+async trainer_wait / step; the generator's is generator_wait / step. A run's numbers are over steps 3 to N-1
+(`--steps` N, at least 4): the median step time, each side's waits summed over the summed step time, the means of
+the rest and the largest lag; a mode's are the medians over its runs. Steps 1 and 2 hold the start-up: step 1 the
+actors' and engine's, and in async modes the generator waits once, before batch 2, for the training actor to take
+batch 1 (seen: 5.5 s). Step N is left out because async mode without partial rollouts shortens it: the generator
+holds the engines' lock while it generates, so the weight sync that ends a step waits for the next batch to be
+generated (in trainer_wait and inside `timing/broadcast`), and after the last step there is none to wait for (seen:
+0.5 s against 13.5 s). The per-step table shows every step from 2.
 
 Results: OUT/results.json (settings, every run and step) and OUT/results.md; each run's folder (log, shim reports,
 TensorBoard) under OUT/runs/. No thresholds: the script reports. `other_cores_busy` is what processes outside the
@@ -65,6 +66,8 @@ MODE_FLAGS: dict[str, dict[str, object]] = {
     "async": {"train.async_enable": True, "train.async_queue_size": 1},
     "partial": {"train.async_enable": True, "train.async_queue_size": 1, "train.partial_rollout_enable": True},
 }
+FIRST = 3
+"""The first step measured (steps 1 and 2 hold the start-up; the docstring says why)."""
 STEP_TAG = "train/timing/step_total"  # logged at every step in every mode; its wall_time is the step's log time
 
 
@@ -203,7 +206,7 @@ def one_run(e2e, model: Path, folder: Path, mode: str, args: argparse.Namespace)
             f"not 1 to {args.steps}"
         )
     steps = step_rows(logged, asynchronous=mode != "sync")
-    inside = [row for row in steps if row["step"] < args.steps]  # the docstring says why step N is left out
+    inside = [row for row in steps if FIRST <= row["step"] < args.steps]  # the docstring says why
     return {"mode": mode, "wall_s": result.seconds, "run_cpu_s": run_cpu_s, "steps": steps, **run_numbers(inside)}
 
 
@@ -239,8 +242,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"{s['steps']} steps of {s['prompts_per_step']} groups of {s['group_size']} (about half the prompts out of "
         f"the coin model's reach), one vLLM-CPU engine, one DeepSpeed rank; async: train.async_queue_size 1; "
-        f"partial: async with train.partial_rollout_enable. Steps 2 to {s['steps'] - 1}; medians of {s['repeats']} "
-        f"runs per mode. Other processes kept {result['other_cores_busy'] or 0:.2f} cores busy.",
+        f"partial: async with train.partial_rollout_enable. Steps {FIRST} to {s['steps'] - 1}; medians of "
+        f"{s['repeats']} runs per mode. Other processes kept {result['other_cores_busy'] or 0:.2f} cores busy.",
         "",
         "| | step (s) | sync / mode | generation (s) | ppo_train (s) | broadcast (s) | trainer wait share | "
         "generator wait share | lag mean | lag max | mixed episodes | prompts consumed | engine-trainer gap (nats) |",
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--prompts-per-step", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--pool-size", type=int, default=1, help="sandbox.pool_size: warm kernels kept between bursts (the e2e's: 1)"
@@ -275,8 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=480.0, help="per run")
     args = parser.parse_args(argv)
-    if args.steps < 3:
-        parser.error("--steps must be at least 3: the numbers are over steps 2 to N-1 (the docstring says why)")
+    if args.steps <= FIRST:
+        parser.error(f"--steps must be at least {FIRST + 1}: the numbers are over steps {FIRST} to N-1 (the docstring "
+                     "says why)")  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = run(args)
     write_results(args.out, result, markdown(result))

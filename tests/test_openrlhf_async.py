@@ -587,3 +587,38 @@ def test_at_staleness_0_async_training_equals_sync_on_the_same_samples(
         shared = {k for k in theirs if not k.startswith("timing/") and k != "generated_samples"}
         assert shared and {k: mine[k] for k in shared} == {k: theirs[k] for k in shared}
     assert any(k.startswith("stare/") for k in logged_sync[0]) and "staleness/unversioned_share" in logged_sync[0]
+
+
+def test_the_private_async_names_we_rely_on_are_unchanged(hooks):
+    """OpenRLHF's async module and vLLM, as hooks.py uses them (docs/dev/openrlhf_async.md section 6.2)."""
+    import inspect
+
+    import vllm.outputs
+    from openrlhf.trainer import ppo_trainer_async as module
+    from test_openrlhf_hooks import parameters
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    controller = hooks.ORIGINAL_ASYNC_TRAINER.__ray_actor_class__
+    generator = hooks.ORIGINAL_GENERATOR_ACTOR.__ray_actor_class__
+    trainer = hooks.ORIGINAL_TRAINING_ACTOR.__ray_actor_class__
+    # the controller makes both halves by the module's names, and keeps them as these attributes
+    init = inspect.getsource(controller.__init__)
+    assert "GenerateSamplesActor.remote(" in init and "TrainingActor.remote(" in init
+    assert "self.generator_actor =" in init and "self.trainer_actor =" in init
+    assert {"GenerateSamplesActor", "TrainingActor", "Queue", "VLLMLock"} <= set(vars(module))
+    # the generator half: its generator attribute and queue, and the 4-tuple contract of generate_samples
+    assert "self.samples_generator = SamplesGenerator(" in inspect.getsource(generator.__init__)
+    fit = inspect.getsource(generator.fit)
+    assert "self.samples_generator.generate_samples(**self.generate_kwargs)" in fit
+    assert "(rollout_samples, client_states, filter_pass_rate, generation_time)" in fit
+    assert parameters(generator.fit) == ["self", "episode", "total_consumed_prompts"]
+    assert parameters(generator.load_state_dict) == ["self", "state_dict"]
+    # the training half: the queue it blocks on, and the lock and pause around its weight sync
+    assert "self.rollout_queue.get(block=True)" in inspect.getsource(trainer.fit)
+    broadcast = inspect.getsource(trainer.broadcast_to_vllm)
+    assert "super().broadcast_to_vllm()" in broadcast and "pause_generation" in broadcast
+    assert parameters(trainer.fit) == ["self", "global_step"]
+    # vLLM: the engine's version label and the per-token spans
+    assert parameters(AsyncLLM.update_weight_version) == ["self", "new_version"]
+    assert set(vllm.outputs.WeightVersionSpan.__dataclass_fields__) == {"version", "start", "end"}
+    assert "weight_versions" in vllm.outputs.CompletionOutput.__dataclass_fields__

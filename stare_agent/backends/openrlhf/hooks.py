@@ -22,6 +22,15 @@ Where each piece plugs in (the hook facts checked against OpenRLHF's source: doc
   `train/stare/...`), keeps the control's state in the DeepSpeed checkpoint's `client_states`, and after each save
   rotates the Hugging Face snapshots (`global_stepN_hf`, which OpenRLHF never deletes) by stare_agent/snapshots.py.
 
+Async mode (`--train.async_enable`, OpenRLHF's `PPOTrainerAsync`): `StarePPOTrainerAsync` makes OpenRLHF's two
+halves as ours, `StareGenerateSamplesActor` (its loop, our `StareSamplesGenerator`) and `StareTrainingActor` (its
+loop, the trainer above: `StareTrainerMixin` holds what both trainers share), tells the generator on resume how
+many batches were trained, and ends the run as soon as either half fails. A batch crosses the queue as a
+`RolloutBatch`, carrying its rollout/ metrics and keep rate. `StareRolloutRayActor` gives vLLM the policy version
+of the engine's weights at every sync (`_VersionStamp`, inside the sync's lock and pause), so that every sampled
+token carries the version that sampled it (`staleness/*` per step). docs/entropy_control.md says which policy each
+method reads then; docs/dev/openrlhf_async.md maps OpenRLHF's async code.
+
 Packed samples (`--ds.packing_samples`, and OpenRLHF's token-budget micro-batches, which pack): OpenRLHF's `Actor`
 runs a micro-batch as one row of its real tokens and pads its log-probs back; the entropy pass computes H and S2
 on that row's logits and pads them back with OpenRLHF's own indices and function, so every later quantity is
@@ -29,7 +38,8 @@ computed from the same (B, A) tensors as without packing. Not supported (refused
 anything starts): ring attention and tensor parallelism (`--ds.ring_attn_size`, `--ds.tensor_parallel_size` > 1:
 the entropy pass does not gather sharded logits).
 
-Private OpenRLHF names this relies on (pinned by tests/test_openrlhf_hooks.py): RemoteExperienceMaker's
+Private OpenRLHF names this relies on (pinned by tests/test_openrlhf_hooks.py, and for async mode
+tests/test_openrlhf_async.py): RemoteExperienceMaker's
 `_dispatch_forward` and `_flatten_results`, the classes under Ray's wrappers (`__ray_actor_class__`), the
 `client_states` dict `PPOTrainer.fit` hands to `save_logs_and_checkpoints`, and on the ranks the trainer's
 `actor_loss_fn` and `training_step` and ppo_actor's `iter_grad_accum_global_norm` (updates.py).
