@@ -58,7 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dispatch  # noqa: E402
-from _machine import cpu_snapshot, write_results  # noqa: E402
+from _machine import write_results  # noqa: E402
 
 MODES = ("sync", "async", "partial")
 MODE_FLAGS: dict[str, dict[str, object]] = {
@@ -211,22 +211,7 @@ def one_run(e2e, model: Path, folder: Path, mode: str, args: argparse.Namespace)
 
 
 def run(args: argparse.Namespace) -> dict:
-    out = Path(args.out).resolve()  # Ray's workers need not share this working directory
-    e2e = bench_dispatch.load_e2e()
-    busy = cpu_snapshot()
-    runs_cpu_s = 0.0
-    model = bench_dispatch.build_coin_model(e2e, out / "model")
-    runs = []
-    for repeat in range(args.repeats):
-        for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
-            print(f"repeat {repeat + 1} of {args.repeats}: {mode} ...", flush=True)
-            result = one_run(e2e, model, out / "runs" / f"r{repeat}-{mode}", mode, args)
-            runs.append({"repeat": repeat, **result})
-            runs_cpu_s += result["run_cpu_s"]
-    end = cpu_snapshot()
-    other = None
-    if busy is not None and end is not None:  # the machine's busy CPU less this process's and its runs'
-        other = max((end[0] - busy[0]) - (end[1] - busy[1]) - runs_cpu_s, 0.0) / (end[2] - busy[2])
+    e2e, runs, other = bench_dispatch.alternating_runs(args, MODES, one_run)
     summary, ratios = summarize(runs)
     return {
         "settings": {**vars(args), "group_size": e2e.GROUP, "modes": MODE_FLAGS},

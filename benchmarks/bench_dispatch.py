@@ -48,6 +48,7 @@ import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace as NS
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import cpu_snapshot, write_results  # noqa: E402
@@ -277,7 +278,11 @@ def summarize(runs: list[dict]) -> tuple[dict, dict]:
     return summary, ratios
 
 
-def run(args: argparse.Namespace) -> dict:
+def alternating_runs(args: argparse.Namespace, modes: tuple[str, ...], one_run: Any) -> tuple[Any, list, Any]:
+    """`args.repeats` runs of each mode, in OUT/runs/r<repeat>-<mode>, the order alternating from one repeat to the
+    next so that drift in the machine's load is shared: `one_run(e2e, model, folder, mode, args)` gives each run's
+    dict (with its `run_cpu_s`). Returns the e2e test module, the runs, and the cores that processes outside the
+    benchmark and its runs kept busy (None where /proc cannot say)."""
     out = Path(args.out).resolve()  # Ray's workers need not share this working directory
     e2e = load_e2e()
     busy = cpu_snapshot()
@@ -285,7 +290,7 @@ def run(args: argparse.Namespace) -> dict:
     model = build_coin_model(e2e, out / "model")
     runs = []
     for repeat in range(args.repeats):
-        for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
+        for mode in modes if repeat % 2 == 0 else modes[::-1]:
             print(f"repeat {repeat + 1} of {args.repeats}: {mode} ...", flush=True)
             result = one_run(e2e, model, out / "runs" / f"r{repeat}-{mode}", mode, args)
             runs.append({"repeat": repeat, **result})
@@ -294,6 +299,11 @@ def run(args: argparse.Namespace) -> dict:
     other = None
     if busy is not None and end is not None:  # the machine's busy CPU less this process's and its runs'
         other = max((end[0] - busy[0]) - (end[1] - busy[1]) - runs_cpu_s, 0.0) / (end[2] - busy[2])
+    return e2e, runs, other
+
+
+def run(args: argparse.Namespace) -> dict:
+    e2e, runs, other = alternating_runs(args, MODES, one_run)
     summary, ratios = summarize(runs)
     return {
         "settings": {**vars(args), "group_size": e2e.GROUP, "modes": {m: mode_rollout(m, args) for m in MODES}},
