@@ -622,3 +622,26 @@ def test_the_private_async_names_we_rely_on_are_unchanged(hooks):
     assert parameters(AsyncLLM.update_weight_version) == ["self", "new_version"]
     assert set(vllm.outputs.WeightVersionSpan.__dataclass_fields__) == {"version", "start", "end"}
     assert "weight_versions" in vllm.outputs.CompletionOutput.__dataclass_fields__
+
+
+def test_a_cluster_without_the_gpus_the_placement_asks_for_is_refused_before_anything_is_placed(
+    hooks, local_ray, tmp_path
+):
+    """Async mode puts engines on GPUs of their own: 8 ranks and 8 engines want 16 GPUs, where the colocated sync
+    paper config wants 8. Ray would wait for missing ones without end; the driver says so in one line."""
+    from test_openrlhf_launch import CONFIGS_DIR, REQUIRED
+
+    from stare_agent.backends.openrlhf import train
+    from stare_agent.backends.openrlhf.launch import gpus_needed, resolve_rl
+    from stare_agent.config import ConfigError, RLConfig, load_config
+
+    needed = {}
+    for name in ("rl_paper_stare_c2", "rl_paper_stare_c2_async"):
+        _, namespace = resolve_rl(load_config(RLConfig, CONFIGS_DIR / f"{name}.yaml", REQUIRED), tmp_path / name)
+        needed[name] = gpus_needed(namespace)
+    assert needed["rl_paper_stare_c2"][0] == 8 and needed["rl_paper_stare_c2_async"][0] == 16
+    assert "async mode: engines apart" in needed["rl_paper_stare_c2_async"][1]
+    assert local_ray.cluster_resources().get("GPU", 0) == 0  # this test's local Ray declares none
+    with pytest.raises(ConfigError, match=r"needs 16 GPUs \(8 actor ranks \+ 8 engine GPUs .*the Ray cluster has 0"):
+        train.check_gpus(*needed["rl_paper_stare_c2_async"])
+    train.check_gpus(0, "nothing")  # enough: no error

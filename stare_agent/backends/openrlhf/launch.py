@@ -199,6 +199,19 @@ def even_split_problems(config: RLConfig, namespace: Any) -> list[str]:
     return problems
 
 
+def gpus_needed(namespace: Any) -> tuple[int, str]:
+    """The GPUs OpenRLHF's placement asks Ray for (cli/train_ppo_ray.py), and how they add up: one per actor rank,
+    and the engines' (num_engines x tensor_parallel_size) on the ranks' GPUs only when colocated in sync mode; in
+    async mode OpenRLHF colocates the DeepSpeed models alone and the engines take GPUs of their own."""
+    flags = vars(namespace)
+    ranks = flags["actor.num_nodes"] * flags["actor.num_gpus_per_node"]
+    engines = (flags["vllm.num_engines"] or 0) * flags["vllm.tensor_parallel_size"]
+    if flags["train.colocate_all"] and not flags["train.async_enable"]:
+        return max(ranks, engines), f"{ranks} actor ranks sharing their GPUs with {engines} engine GPUs"
+    why = "async mode: engines apart" if flags["train.async_enable"] else "not colocated"
+    return ranks + engines, f"{ranks} actor ranks + {engines} engine GPUs ({why})"
+
+
 def async_problems(namespace: Any) -> list[str]:
     """What OpenRLHF's async mode (train.async_enable, train.partial_rollout_enable) cannot run with here; [] if fine.
 
@@ -327,7 +340,7 @@ def _show(config: Any, what: str, words: list[str]) -> None:
 
 def run_rl(config: RLConfig, dry_run: bool = False) -> None:
     run_dir = run_path(config.run, "rl")
-    argv, _ = resolve_rl(config, run_dir)
+    argv, namespace = resolve_rl(config, run_dir)
     if dry_run:
         _show(config, "python -m openrlhf.cli.train_ppo_ray, with the STARE hooks in place, and these flags", argv)
         return
@@ -335,7 +348,7 @@ def run_rl(config: RLConfig, dry_run: bool = False) -> None:
 
     if config.resume:
         resume.prepare(run_dir)
-    train.run(config, argv, run_dir)
+    train.run(config, argv, run_dir, gpus=gpus_needed(namespace))
 
 
 # train_sft flags the masked dataset cannot honour: (flag, allowed values, why).

@@ -94,6 +94,19 @@ def _ray_session(env_vars: dict[str, str]) -> Iterator[bool]:
         ray.shutdown()
 
 
+def check_gpus(needed: int, how: str) -> None:
+    """ConfigError when the Ray cluster declares fewer GPUs than OpenRLHF's placement will ask for."""
+    import ray
+
+    have = ray.cluster_resources().get("GPU", 0)
+    if have < needed:
+        raise ConfigError(
+            f"OpenRLHF's placement needs {needed} GPUs ({how}) and the Ray cluster has {have:g}; Ray would wait for "
+            "them without end. Add nodes (`ray start --address=HEAD:6379`), or lower openrlhf.actor.num_gpus_per_node "
+            "/ openrlhf.vllm.num_engines (docs/cluster.md)"
+        )
+
+
 def _carried(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
     """The exception of type `kind` that Ray's errors around `exc` carry (their `cause`, a few levels deep: in async
     mode an actor's error reaches the driver through the controller actor), or None."""
@@ -129,8 +142,11 @@ def _argv(words: list[str]) -> Iterator[None]:
         sys.argv = saved
 
 
-def run(config: RLConfig, argv: list[str], run_dir: Path) -> None:
+def run(config: RLConfig, argv: list[str], run_dir: Path, gpus: tuple[int, str] | None = None) -> None:
     """Train: OpenRLHF's train_ppo_ray with `argv` (from launch.resolve_rl), our config in every actor.
+
+    `gpus` (launch.gpus_needed): the GPUs OpenRLHF's placement will ask for, checked against the Ray cluster's
+    before anything is placed: Ray would otherwise wait for them without end.
 
     Ends with one line saying how many of `steps` full batches were trained and why it stopped early, if it did
     (the trainer actor's end_report). NoStepTrained when none was; SandboxFailures, raised in the trainer actor
@@ -142,6 +158,8 @@ def run(config: RLConfig, argv: list[str], run_dir: Path) -> None:
         raise ConfigError(problem)  # before Ray starts: the engines and the driver share this install
     save_config(config, run_dir)
     with _ray_session({**ray_env(config), **wandb_env(run_dir)}):
+        if gpus is not None:
+            check_gpus(*gpus)
         hooks.install()
         with _argv([upstream.RL_CLI, *argv]), warnings.catch_warnings():
             # runpy warns that the CLI module is already imported (by the parser check); harmless, as runpy says
