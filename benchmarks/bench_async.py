@@ -1,6 +1,6 @@
 """Async training on the openrlhf backend: step time and each side's waits, sync against async and partial rollouts.
 
-    .venv-openrlhf/bin/python benchmarks/bench_async.py --out runs/bench-async     # ~16 min on 2 idle cores
+    .venv-openrlhf/bin/python benchmarks/bench_async.py --out runs/bench-async     # ~12 min on 2 idle cores
 
 Why: in OpenRLHF's default (sync) loop the engine is idle while the ranks train and the ranks are idle while the
 engine generates, so a step costs generation plus training. With `train.async_enable` a generator actor fills a
