@@ -188,17 +188,7 @@ def one_run(e2e, model: Path, folder: Path, mode: str, args: argparse.Namespace)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     config = write_config(e2e, folder, model, mode, args)
-    started = e2e.start_cli(config, folder / "report", folder / "run.log")
-    cpu = bench_dispatch.RunCpu(started.process.pid)  # start_cli starts the run in a session of its own
-    try:
-        result = e2e.finish_cli(started, timeout_s=args.timeout_s)
-    finally:
-        run_cpu_s = cpu.stop()
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"the {mode} run in {folder} ended with {result.returncode} (None: killed after {args.timeout_s} s); "
-            f"its log (run.log there) ends:\n{result.output[-4000:]}"
-        )
+    result, run_cpu_s = bench_dispatch.measured_run(e2e, config, folder, mode, args.timeout_s)
     logged = read_logged(folder / "runs" / "rl")
     if sorted(logged.get(STEP_TAG, {})) != list(range(1, args.steps + 1)):
         raise RuntimeError(

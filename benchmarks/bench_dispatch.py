@@ -205,23 +205,31 @@ def write_config(e2e, folder: Path, model: Path, mode: str, args: argparse.Names
     return path
 
 
+def measured_run(e2e, config: Path, folder: Path, mode: str, timeout_s: float, env: dict | None = None) -> tuple:
+    """`stare-agent rl --config config` in `folder` as the e2e tests start it, with the CPU its processes used;
+    (the finished run, its CPU seconds); RuntimeError with the log's end when it fails or runs past `timeout_s`."""
+    started = e2e.start_cli(config, folder / "report", folder / "run.log", env=env)
+    cpu = RunCpu(started.process.pid)  # start_cli starts the run in a session of its own: its pid is the group's
+    try:
+        result = e2e.finish_cli(started, timeout_s=timeout_s)
+    finally:
+        run_cpu_s = cpu.stop()
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"the {mode} run in {folder} ended with {result.returncode} (None: killed after {timeout_s} s); "
+            f"its log (run.log there) ends:\n{result.output[-4000:]}"
+        )
+    return result, run_cpu_s
+
+
 def one_run(e2e, model: Path, folder: Path, mode: str, args: argparse.Namespace) -> dict:
     """One `stare-agent rl` run in `folder` (emptied first: TensorBoard would keep an earlier run's steps)."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     config = write_config(e2e, folder, model, mode, args)
     report = folder / "report"
-    started = e2e.start_cli(config, report, folder / "run.log", env={"STARE_SHIM_ENGINE_LOAD_S": str(args.sample_s)})
-    cpu = RunCpu(started.process.pid)  # start_cli starts the run in a session of its own: its pid is the group's
-    try:
-        result = e2e.finish_cli(started, timeout_s=args.timeout_s)
-    finally:
-        run_cpu_s = cpu.stop()
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"the {mode} run in {folder} ended with {result.returncode} (None: killed after {args.timeout_s} s); "
-            f"its log (run.log there) ends:\n{result.output[-4000:]}"
-        )
+    env = {"STARE_SHIM_ENGINE_LOAD_S": str(args.sample_s)}
+    result, run_cpu_s = measured_run(e2e, config, folder, mode, args.timeout_s, env)
     logged = {tag: dict(values) for tag, values in e2e.scalars(folder / "runs" / "rl").items()}
     windows = generation_windows(read_ends(report / "generation_ends.jsonl"), logged["train/timing/generation"])
     engines = [read_load(path) for path in sorted(report.glob("engine-load-*.tsv"))]
