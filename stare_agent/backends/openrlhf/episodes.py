@@ -14,7 +14,7 @@ Everything here is the episode of `stare_agent.agent.run_episode`; this module o
   included) are separate segments outside `action_ranges`, so they are 0 in OpenRLHF's action mask (its
   loss, KL and entropy mask).
 - `ReToolExecutor`: the executor itself. A sandbox infrastructure failure drops the prompt's whole group: the
-  sample generator (hooks.StareSamplesGenerator) judges each group by stare_agent/batching's rule, which drops
+  sample generator (generation.StareSamplesGenerator) judges each group by stare_agent/batching's rule, which drops
   it whatever rollout.dynamic_sampling says, and refills it; `scores` is NaN besides, so no filter of OpenRLHF's
   could keep it. A failure is never scored as a wrong answer.
 
@@ -95,7 +95,7 @@ def turn_params(shared: Any, max_tokens: int) -> Any:
     The shared object is used by all N episodes of the prompt at once, so it is never changed. Temperature and
     top_p/top_k stay as OpenRLHF set them; the sampled token's log-prob is always asked for (OpenRLHF asks only
     when its importance-sampling correction is on, and its loss reads them only then): the trainer compares them
-    with its own every step (`rollout_logprob_abs_diff`, hooks.py), which is how a weight sync that did not reach
+    with its own every step (`rollout_logprob_abs_diff`, experience.py), which is how a weight sync that did not reach
     the engine shows. Setting these fields after construction is what vLLM's own __post_init__ would do with them:
     with include_stop_str_in_output no text is held back.
     """
@@ -154,7 +154,7 @@ def to_response(result: EpisodeResult, *, prompt: str, label: Any, images: Any =
 
     observation_tokens: all ids (prompt, sampled and observation segments); action_ranges: the sampled ones;
     rollout_log_probs: one per id (0.0 outside actions); policy_versions: one per id, the policy version that sampled
-    it (agent.NO_VERSION outside actions; OpenRLHF ignores the key, hooks.StareSamplesGenerator reads it);
+    it (agent.NO_VERSION outside actions; OpenRLHF ignores the key, generation.StareSamplesGenerator reads it);
     extra_logs: batching.episode_stats without the reward.
     A sandbox failure, or a prompt that leaves no room for a response, cannot be scored: reward 0.0 and
     scores NaN, which makes dynamic filtering drop the whole group.

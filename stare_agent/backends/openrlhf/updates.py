@@ -1,6 +1,6 @@
 """The entropy-control methods that act at each update, inside OpenRLHF 0.11.2's actor ranks (docs/entropy_control.md).
 
-The experience maker (hooks.py) runs `step.control_step` once per step on the driver; what the update needs from
+The experience maker (experience.py) runs `step.control_step` once per step on the driver; what the update needs from
 it (the method, its settings, the step, the entropy bonus's alpha) reaches every policy rank through
 `StarePolicyModelActor.set_update_control` before OpenRLHF calls the ranks' `fit`. There, on each rank:
 
