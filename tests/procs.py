@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def sandbox_service(pool_size: int, *flags: str, port: int = 0) -> Iterator[NS]:
 
 def stop_service(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(signal.SIGINT)  # at once; SIGTERM would drain, waiting for open sessions (--drain-s)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -9,6 +9,7 @@ trainer's configs, so a misspelt key is an error naming file, line and the allow
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -37,6 +38,10 @@ FLAGS = {
     "max_waiting": ("max_waiting", "calls queued for a slot; beyond it 429 with Retry-After"),
     "max_sessions": ("max_sessions", "open stateful sessions; beyond it 503"),
     "session_idle_s": ("session_idle_s", "seconds before an unused session is closed"),
+    "drain_s": (
+        "drain_s",
+        "after SIGTERM: seconds open sessions may go on (new work is refused) before the server cuts them and exits",
+    ),
     "pool_size": ("pool.pool_size", "warm kernels kept ready"),
     "max_kernels": ("pool.max_kernels", "kernels alive at once (sessions plus pool)"),
     "max_starting": ("pool.max_starting", "kernels starting at once, in the background (0: no bound, as before)"),
@@ -126,6 +131,42 @@ def load_settings(args: argparse.Namespace) -> ServerSettings:
         raise SystemExit(f"sandbox: {exc}") from None
 
 
+def _draining_server(config, run_drain):  # noqa: ANN001, ANN202 - uvicorn's types are imported late
+    """A uvicorn server whose first SIGTERM drains (drain.py) before it exits. SIGINT, a second SIGTERM, or a
+    SIGTERM with drain_s 0 exit as uvicorn does: at once, answering the calls running."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        drain_task: asyncio.Task | None = None
+
+        async def serve(self, sockets=None) -> None:  # noqa: ANN001
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001
+            if sig == signal.SIGTERM and self.loop is not None and self.drain_task is None and not self.should_exit:
+                # a signal handler runs between two steps of the event loop's own thread: hand the drain to it
+                self.loop.call_soon_threadsafe(self._start_drain)
+                return
+            if self.drain_task is not None and not self.drain_task.done():
+                logging.getLogger("sandbox").warning("signal %d while draining: exiting now", sig)
+                self.loop.call_soon_threadsafe(self.drain_task.cancel)
+            super().handle_exit(sig, frame)
+
+        def _start_drain(self) -> None:
+            if self.drain_task is None:
+                self.drain_task = self.loop.create_task(run_drain())
+                self.drain_task.add_done_callback(self._drained)
+
+        def _drained(self, task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                logging.getLogger("sandbox").error("the drain failed: %r; exiting", task.exception())
+            self.should_exit = True
+
+    return DrainingServer(config)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m stare_sandbox") -> int:
     args = build_parser(prog).parse_args(argv)
     settings = load_settings(args)
@@ -160,7 +201,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m stare_sandbox
     # the server was started with SIGHUP ignored (nohup): then it stays ignored.
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, lambda *_: signal.raise_signal(signal.SIGTERM))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_keep_alive=keepalive)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level="warning", timeout_keep_alive=keepalive
+    )
+    server = _draining_server(config, app.state.run_drain) if settings.drain_s > 0 else uvicorn.Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises SIGINT again once it has stopped: the way out, as uvicorn.run takes it
+        pass
     return 0
 
 

@@ -24,9 +24,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from stare_sandbox import sandboxfusion
+from stare_sandbox.drain import Drain
 from stare_sandbox.kernel import KernelsBusy, SandboxError
 from stare_sandbox.pool import KernelPool, PoolSettings
 from stare_sandbox.schemas import (
+    DRAINING_HEADER,
     ErrorResponse,
     ExecuteRequest,
     RunCodeRequest,
@@ -73,6 +75,9 @@ class ServerSettings:
     """POST /run_code keeps the first this many bytes of each of stdout and stderr (SandboxFusion's 1 MiB)."""
     require_isolation: bool = False
     """Refuse to start unless namespaces isolation (no network, read-only root, own uid) works."""
+    drain_s: float = 20.0
+    """After SIGTERM the server drains (drain.py): new work is refused, open sessions may go on this long; then the
+    ones left are cut and it exits. 0: exit at once, cutting every session."""
     pool: PoolSettings = field(default_factory=PoolSettings)
 
     def __post_init__(self) -> None:
@@ -82,6 +87,8 @@ class ServerSettings:
             )
         if self.max_running < 1 or self.max_waiting < 0 or self.max_sessions < 0:
             raise ValueError("max_running must be >= 1, max_waiting and max_sessions >= 0")
+        if self.drain_s < 0:
+            raise ValueError(f"drain_s must be >= 0; got {self.drain_s}")
         if self.run_code_output_limit_bytes < 100:
             raise ValueError(f"run_code_output_limit_bytes must be >= 100; got {self.run_code_output_limit_bytes}")
 
@@ -170,6 +177,9 @@ class Metrics:
             "sandbox_run_seconds", "Run time of a call, queueing excluded", ["kind"], registry=self.registry
         )
         self.rejected = Counter("sandbox_rejected", "Calls refused because of overload", registry=self.registry)
+        self.drain_refused = Counter(
+            "sandbox_drain_refused", "New sessions and stateless calls refused while draining", registry=self.registry
+        )
         self.gauges = {
             name: Gauge(f"sandbox_{name}", help_text, registry=self.registry)
             for name, help_text in {
@@ -180,6 +190,8 @@ class Metrics:
                 "waiting": "Calls waiting for a slot",
                 "capacity_sessions": "Most stateful sessions open at once (max_sessions)",
                 "capacity_kernels": "Most kernels alive at once, sessions' and the pool's (max_kernels)",
+                "ready": "1 when the server can take a new session now (readiness), else 0",
+                "draining": "1 while the server drains after SIGTERM, else 0",
             }.items()
         }
         self.registry.register(self)  # collect() below
@@ -229,6 +241,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     sessions = SessionStore(pool, settings.max_sessions, settings.session_idle_s)
     admission = Admission(settings.max_running, settings.max_waiting)
     metrics = Metrics(pool)
+    drain = Drain(settings.drain_s)
     # What the server holds at once, for a trainer to check a step against before it starts (each stateful episode
     # holds a session, and a session a kernel): the same numbers on /healthz and /metrics.
     capacity = {"sessions": settings.max_sessions, "kernels": settings.pool.max_kernels}
@@ -254,6 +267,36 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="stare-agent sandbox", version="1", lifespan=lifespan)
     app.state.pool, app.state.sessions, app.state.admission = pool, sessions, admission
+    app.state.drain = drain
+
+    async def run_drain() -> list[str]:
+        """Drain this server (drain.py); returns the ids of the sessions cut at the deadline."""
+        return await drain.run(sessions, lambda: admission.running + admission.waiting)
+
+    app.state.run_drain = run_drain
+
+    def not_ready_because() -> list[str]:
+        """Why a new session would not be taken now; empty: ready."""
+        why = []
+        if drain.draining:
+            why.append("draining")
+        if len(sessions) + sessions.opening >= settings.max_sessions:
+            why.append(f"the session limit ({settings.max_sessions}) is reached")
+        if not pool.ready_count and pool.alive_count >= settings.pool.max_kernels:
+            why.append(f"no kernel ready and max_kernels ({settings.pool.max_kernels}) alive")
+        return why
+
+    def refuse_new_work() -> None:
+        """503 with Retry-After and the DRAINING_HEADER for new work while draining: the client takes it elsewhere.
+        Retry-After stays short (not the drain's deadline): a client with one server waits that long per try."""
+        if drain.draining:
+            metrics.drain_refused.inc()
+            raise HTTPException(
+                503,
+                "the server is draining (shutting down): it takes no new sessions or stateless calls; "
+                "send them to another server",
+                headers={"Retry-After": "1", DRAINING_HEADER: "1"},
+            )
 
     def token_accepted(request: Request) -> bool:
         given = request.headers.get("authorization", "")
@@ -261,9 +304,13 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.middleware("http")
     async def check_token(request: Request, call_next):  # noqa: ANN202 - FastAPI middleware signature
-        if request.url.path != "/healthz" and not token_accepted(request):
+        if request.url.path not in ("/healthz", "/readyz") and not token_accepted(request):
             return JSONResponse({"detail": "missing or wrong access token"}, status_code=401)
-        return await call_next(request)
+        response = await call_next(request)
+        if drain.draining:
+            # no idle connection is left for the exit to close under a request the client just sent on it
+            response.headers["Connection"] = "close"
+        return response
 
     @app.exception_handler(Overloaded)
     async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
@@ -316,6 +363,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/sessions", status_code=201, response_model=SessionCreated, responses=ERRORS)
     async def create_session() -> SessionCreated:
+        refuse_new_work()
         # No call slot: it runs no code, only waits (up to queue_wait_s) for a kernel, and max_sessions bounds how
         # many do. Holding slots, a burst of new sessions left the calls of open sessions queued behind it.
         try:
@@ -326,6 +374,8 @@ def create_app(settings: ServerSettings) -> FastAPI:
     @app.post("/v1/sessions/{session_id}/execute", response_model=RunResult, responses=ERRORS)
     async def execute_in_session(session_id: str, body: ExecuteRequest) -> RunResult:
         timeout = timeout_of(body)
+        if drain.deadline_passed:
+            raise HTTPException(404, f"session {session_id!r} was closed: the server is shutting down")
         if not sessions.exists(session_id):
             raise unknown(session_id)
 
@@ -345,12 +395,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/execute", response_model=RunResult, responses=ERRORS)
     async def execute_stateless(body: ExecuteRequest) -> RunResult:
+        refuse_new_work()
         timeout = timeout_of(body)
         return await run("stateless", lambda wait_s: run_stateless(pool, body.code, timeout[0], wait_s), timeout)
 
     # SandboxFusion's API (sandboxfusion.py), for stacks that call it, e.g. verl's ReTool recipe
     @app.post("/run_code", response_model=RunCodeResponse, responses={k: v for k, v in ERRORS.items() if k != 404})
     async def run_code(body: RunCodeRequest) -> RunCodeResponse:
+        refuse_new_work()
         timeout = timeout_of(ExecuteRequest(code=body.code, timeout_s=body.run_timeout))
         files_chars = sum(len(content or "") for content in body.files.values())
         if files_chars > settings.max_code_chars:
@@ -364,8 +416,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz(request: Request) -> dict:
+        why = not_ready_because()
         return {
-            "status": "ok",
+            "status": "draining" if drain.draining else "ok",
+            "live": True,
+            "ready": not why,
+            "not_ready_because": why,
+            "draining": drain.draining,
+            "drain_left_s": drain.left_s(),
             "token_accepted": token_accepted(request),
             "isolation": pool.isolation.as_dict() if pool.isolation else None,
             "caps": pool.caps(),
@@ -392,9 +450,17 @@ def create_app(settings: ServerSettings) -> FastAPI:
             },
         }
 
+    @app.get("/readyz", responses={503: {"description": "not ready: draining, or no session or kernel free"}})
+    async def readyz() -> JSONResponse:
+        """Readiness for a scheduler's probe: 200 when a new session would be taken now, else 503 saying why."""
+        why = not_ready_because()
+        return JSONResponse({"ready": not why, "not_ready_because": why}, status_code=503 if why else 200)
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         values = {
+            "ready": int(not not_ready_because()),
+            "draining": int(drain.draining),
             "sessions": len(sessions),
             "pool_ready": pool.ready_count,
             "kernels_alive": pool.alive_count,

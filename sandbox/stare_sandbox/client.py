@@ -19,6 +19,10 @@ Several servers: the HTTP clients take one URL or a list of them (same token for
   goes there until a GET /healthz succeeds. That probe is made by the first call after a pause that
   starts at `down_backoff_s` and doubles while the server stays down (up to MAX_DOWN_S); when no server
   is up, every call probes them all, paced by its own retry backoff.
+- A server that drains (shutting down after SIGTERM: it answers new work with 503 and the draining header, and
+  /healthz with `status: draining`) gets no new work until a probe finds it ready again (restarted), but the calls
+  of its open sessions go on there as usual. A rolling restart of the servers one at a time therefore loses no
+  session that ends within the server's drain deadline (servers.py).
 - A stateless call or session creation refused, or not connected, by one server (nothing ran) goes on
   at once to another server that is up; when none is left it backs off and tries again, `retries` times.
 - A session call whose server cannot be connected to is retried there with backoff, `retries` times
@@ -228,6 +232,8 @@ class _Common:
         for entry in servers:
             if entry.get("status") == "down":
                 log.warning("sandbox server %s is down, skipped until it answers: %s", entry["url"], entry["error"])
+            elif entry.get("status") == "draining":
+                log.warning("sandbox server %s is draining: it gets no new work until it is back", entry["url"])
         return self
 
     def _probe_result(self, server: Server, response: httpx.Response | None, error: Exception | None) -> dict | None:
@@ -241,18 +247,19 @@ class _Common:
             body = response.json() if response.status_code == 200 else None
         except ValueError:
             body = None
-        if not isinstance(body, dict) or body.get("status") != "ok":
+        if not isinstance(body, dict) or body.get("status") not in ("ok", "draining"):
             self._servers.probed(server, f"GET {where}: HTTP {response.status_code}: {response.text[:200]}")
             return None
         if body.get("token_accepted") is False:
             self._servers.probed(server, f"{server.url} refuses {'our' if self.headers else 'no'} access token")
         else:
-            self._servers.probed(server, None)
+            self._servers.probed(server, None, draining=body["status"] == "draining")
         return body
 
     def _summary(self, answers: list[dict | None]) -> dict[str, Any]:
-        """One server: its /healthz body. Several: sums over those that answered (`capacity` too: the sessions and
-        the kernels they hold at once between them), plus `servers`, one entry each."""
+        """One server: its /healthz body. Several: sums over those that answered (`capacity` over those that answered
+        and are not draining: the sessions and the kernels they hold at once between them), `ready` (how many are
+        ready for a new session), plus `servers`, one entry each."""
         if len(self.urls) == 1:
             return answers[0]
         servers = [
@@ -262,15 +269,19 @@ class _Common:
         answered = [body for body in answers if body is not None]
         isolations = [body.get("isolation") for body in answered]
         summed = ("sessions", "pool_ready", "kernels_alive", "running", "waiting", "kernel_start_failures")
+        taking = [body for body in answered if body.get("status") == "ok"]
+        draining = len(answered) - len(taking)
         return {
-            "status": "ok" if len(answered) == len(answers) else "degraded",
+            "status": "ok" if len(answered) == len(answers) and not draining else "degraded",
             "token_accepted": all(body.get("token_accepted") is not False for body in answered),
             "isolation": isolations[0] if all(i == isolations[0] for i in isolations) else "mixed: see servers",
             **{key: sum(body.get(key) or 0 for body in answered) for key in summed},
             "capacity": {
-                key: sum((body.get("capacity") or {}).get(key) or 0 for body in answered)
+                key: sum((body.get("capacity") or {}).get(key) or 0 for body in taking)
                 for key in ("sessions", "kernels")
             },
+            "ready": sum(body.get("ready") is True for body in answered),
+            "draining": draining,
             "servers": servers,
         }
 

@@ -14,6 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+DRAINING_HEADER = "X-Sandbox-Draining"
+"""Set on the 503 a draining server answers new work with: the client marks the server draining, not overloaded."""
+
 Status = Literal["ok", "error", "timeout", "memory", "sandbox_error"]
 
 

@@ -3,6 +3,11 @@
 No I/O here: the clients (client.py) make the requests and hand each answer, or transport error, to
 `Servers.settle`, which classifies it (`Outcome`) and marks its server down or up again. A down server gets no
 new work until a probe of it (GET /healthz, made by the client when `to_probe` says so) succeeds.
+
+A draining server (it answered new work with 503 and the DRAINING_HEADER, or a probe said `status: draining`) is
+not down: the calls of the sessions it holds go on there, with their retries, and their answers do not bring it back.
+It gets no new work until a probe says it is ready again (`status: ok`, e.g. restarted); it is probed every
+`down_backoff_s` meanwhile.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
+
+from stare_sandbox.schemas import DRAINING_HEADER
 
 RETRY_STATUS = {429, 503}
 DOWN_AFTER_REFUSALS = 3
@@ -38,6 +45,8 @@ class Server:
     down_for: float
     """Pause before the next probe, should this server go down; doubles while it stays down."""
     up: bool = True
+    draining: bool = False
+    """Shutting down: no new work (see the module docstring); cleared by a probe saying ready."""
     unreachable: bool = False
     """Down because it could not be connected to: with several servers, a session call there gets one try, not the
     retries, until the next probe."""
@@ -72,7 +81,7 @@ class Servers:
     def pick(self, avoid: set[int], by_sessions: bool) -> Server | None:
         """The least loaded up server not in `avoid`, counted as in flight; ties in turn. None: no such server."""
         with self.lock:
-            up = [s for s in self.list if s.up and s.index not in avoid]
+            up = [s for s in self.list if s.up and not s.draining and s.index not in avoid]
             if not up:
                 return None
             load = {s.index: (s.sessions, s.in_flight) if by_sessions else (s.in_flight,) for s in up}
@@ -94,16 +103,19 @@ class Servers:
             server.in_flight -= 1
 
     def to_probe(self, all_down: bool, avoid: set[int] = frozenset()) -> list[Server]:
-        """Down servers to probe now, marked as being probed: those whose pause is over, or (all_down, when no
-        server is up) every down one not in `avoid`."""
+        """Down or draining servers to probe now, marked as being probed: those whose pause is over, or (all_down,
+        when no server takes new work) every such one not in `avoid`."""
         now = time.monotonic()
         with self.lock:
-            if all_down and any(s.up for s in self.list):
+            if all_down and any(s.up and not s.draining for s in self.list):
                 return []
             due = [
                 s
                 for s in self.list
-                if not s.up and not s.probing and s.index not in avoid and (all_down or now >= s.retry_at)
+                if (not s.up or s.draining)
+                and not s.probing
+                and s.index not in avoid
+                and (all_down or now >= s.retry_at)
             ]
             for s in due:
                 s.probing = True
@@ -116,13 +128,21 @@ class Servers:
                 s.probing = True
             return list(self.list)
 
-    def probed(self, server: Server, error: str | None, *, unreachable: bool = False) -> None:
+    def probed(self, server: Server, error: str | None, *, unreachable: bool = False, draining: bool = False) -> None:
+        """Record a probe's outcome: `error` None when it answered alive, `draining` when it said so."""
         with self.lock:
             server.probing = False
             if error is None:
                 server.up, server.unreachable, server.refusals = True, False, 0
+                self._set_draining(server, draining)
             else:
+                server.draining = False  # gone: down, as any server that does not answer
                 self._down(server, error, unreachable, again=True)
+
+    def _set_draining(self, server: Server, draining: bool) -> None:
+        server.draining = draining
+        if draining:
+            server.retry_at = time.monotonic() + self.down_backoff_s
 
     def unprobed(self, server: Server) -> None:
         """A probe was abandoned (cancelled): leave the server as it was."""
@@ -145,6 +165,11 @@ class Servers:
                 return "failed", message
             status = response.status_code
             message = f"{where}: HTTP {status}: {detail(response)}"
+            if status == 503 and response.headers.get(DRAINING_HEADER):
+                server.last_error = message
+                if not server.draining:
+                    self._set_draining(server, True)
+                return "refused", message
             if status in RETRY_STATUS and (status == 429 or response.headers.get("retry-after")):
                 server.refusals += 1
                 server.last_error = message
@@ -193,6 +218,7 @@ class Servers:
                 {
                     "url": s.url,
                     "up": s.up,
+                    "draining": s.draining,
                     "calls": s.calls,
                     "in_flight": s.in_flight,
                     "sessions": s.sessions,

@@ -43,6 +43,14 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    @property
+    def opening(self) -> int:
+        """Sessions being created, waiting for their kernel."""
+        return self._opening
+
+    def ids(self) -> list[str]:
+        return list(self._sessions)
+
     async def create(self, wait_s: float | None = None) -> str:
         """A new session's id, once it has a kernel (waiting `wait_s`, default queue_wait_s: else KernelsBusy)."""
         if len(self._sessions) + self._opening >= self.max_sessions:

@@ -98,7 +98,7 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGINT)  # at once: SIGTERM drains, waiting for open sessions
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
