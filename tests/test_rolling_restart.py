@@ -1,6 +1,7 @@
 """A rolling restart of the sandbox servers under load loses no episode.
 
-Two real servers, one multi-server AsyncSandboxClient, EPISODES stateful agent episodes (AT_ONCE at a time), each
+Two real servers (containers of the sandbox image where podman is installed, as in CI; else processes), one
+multi-server AsyncSandboxClient, EPISODES stateful agent episodes (AT_ONCE at a time), each
 four state-dependent tool calls paced like a model's turns, then the answer. Meanwhile server A is restarted
 (SIGTERM: it drains, exits, starts again on its port), then server B. Checked: every episode answers right with
 every call's output right and none ends in sandbox_error; an episode opened a second session (the agent's replay)
@@ -14,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from sandbox.containers import Container, image
 from sandbox.test_multiserver import wait_healthy
 from sandbox.test_service import Server
 from test_agent import Scripted
@@ -38,10 +41,66 @@ DRAIN_S = 2.5
 PACE_S = (0.3, 1.5)
 """Seconds a turn takes to 'generate': an episode lasts 1.5-7.5 s."""
 FLAGS = (
-    "--isolation", "process", "--pool-size", "4", "--max-sessions", str(AT_ONCE + 4),
-    "--max-kernels", str(AT_ONCE + 8), "--drain-s", str(DRAIN_S),
+    "--pool-size", "4", "--max-sessions", str(AT_ONCE + 4), "--max-kernels", str(AT_ONCE + 8),
+    "--drain-s", str(DRAIN_S),
 )  # fmt: skip
 """Per server: each holds every episode at once alone (one is always draining or down)."""
+
+
+class Process:
+    """A server process (process isolation, kernels importing only math, as the soak test's)."""
+
+    def __init__(self, config: str):
+        self.server = Server("--config", config, "--isolation", "process", *FLAGS)
+        self.url, self.token = self.server.url, None
+
+    def start(self) -> None:
+        self.server.start(wait=False)
+
+    def wait(self) -> None:
+        wait_healthy(self.server)
+
+    def drain_then_start(self) -> str:
+        """SIGTERM: the server drains and exits (status 0); then started again on its port. Its log."""
+        self.server.stop(signal.SIGTERM)
+        assert self.server.proc.returncode == 0, self.server.proc.returncode
+        log = self.server.proc.stderr.read()
+        self.start()
+        self.wait()
+        return log
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class Pod:
+    """A container of the sandbox image, run as docs/sandbox.md says (tests/sandbox/containers.py)."""
+
+    def __init__(self, token: str | None):
+        self.container = Container(image(), *FLAGS, token=token)
+        self.url, self.token = self.container.url, self.container.token
+
+    def start(self) -> None:
+        self.container.start(wait=False)
+
+    def wait(self) -> None:
+        self.container.wait_ready()
+
+    def drain_then_start(self) -> str:
+        """`podman stop` (SIGTERM): the server drains and exits (status 0); then the same container starts again.
+        The log of the run that drained."""
+        before = len(self.container.logs())
+        assert self.container.stop() == 0
+        log = self.container.logs()[before:]
+        self.container.start()
+        return log
+
+    def stop(self) -> None:
+        try:
+            if self.container.created:
+                self.container.stop(timeout=5)
+        finally:
+            self.container.remove()
 
 
 def value(seed: int, step: int) -> int:
@@ -64,6 +123,7 @@ class Tracked:
     inner: AsyncSandboxClient
     sessions: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    why: list[str] = field(default_factory=list)
 
     async def create_session(self) -> str:
         self.sessions.append(await self.inner.create_session())
@@ -72,11 +132,13 @@ class Tracked:
     async def execute(self, code, session_id=None, timeout_s=None):  # noqa: ANN001, ANN201
         try:
             result = await self.inner.execute(code, session_id, timeout_s)
-        except SessionNotFound:
+        except SessionNotFound as exc:
             self.lost.append(session_id)
+            self.why.append(f"{time.monotonic():.1f} {session_id}: {exc}")
             raise
         if result.status == "sandbox_error":
             self.lost.append(session_id)
+            self.why.append(f"{time.monotonic():.1f} {session_id}: {result.error}")
         return result
 
     async def close_session(self, session_id: str) -> None:
@@ -84,20 +146,12 @@ class Tracked:
 
 
 def drain_log(stderr: str) -> tuple[int, list[str]]:
-    """(sessions open at the signal, ids of the sessions cut at the deadline) from a drained server's log."""
-    opened = re.search(r"draining \(SIGTERM\).*?; (\d+) sessions open", stderr)
+    """(sessions open or opening at the signal, ids of the sessions cut at the deadline) from a drained server's
+    log."""
+    opened = re.search(r"draining \(SIGTERM\).*?; (\d+) sessions open, (\d+) opening", stderr)
     cut = re.search(r"cutting \d+ sessions still open: ([0-9a-f ]*)", stderr)
     assert opened is not None and "drained in" in stderr, stderr[-3000:]
-    return int(opened.group(1)), cut.group(1).split() if cut else []
-
-
-def restart(srv: Server) -> tuple[int, list[str]]:
-    """SIGTERM (the server drains and exits), then start it again on its port; what its drain logged."""
-    srv.stop(signal.SIGTERM)
-    assert srv.proc.returncode == 0, srv.proc.returncode
-    logged = drain_log(srv.proc.stderr.read())
-    wait_healthy(srv.start(wait=False))
-    return logged
+    return int(opened.group(1)) + int(opened.group(2)), cut.group(1).split() if cut else []
 
 
 async def episode(client: AsyncSandboxClient, tokenizer, seed: int) -> tuple:  # noqa: ANN001
@@ -116,9 +170,13 @@ async def episode(client: AsyncSandboxClient, tokenizer, seed: int) -> tuple:  #
 
 
 def test_a_rolling_restart_under_load_loses_no_episode(tiny_tokenizer, tmp_path):
-    config = tmp_path / "server.yaml"
-    config.write_text("pool:\n  warmup_code: 'import math'\n")
-    servers = [Server("--config", str(config), *FLAGS) for _ in range(2)]
+    if shutil.which("podman"):
+        first = Pod(None)
+        servers = [first, Pod(first.token)]
+    else:
+        config = tmp_path / "server.yaml"
+        config.write_text("pool:\n  warmup_code: 'import math'\n")
+        servers = [Process(str(config)) for _ in range(2)]
     drains: list[tuple[int, list[str]]] = []
 
     async def load() -> list[tuple]:
@@ -131,27 +189,32 @@ def test_a_rolling_restart_under_load_loses_no_episode(tiny_tokenizer, tmp_path)
         async def restarts() -> None:
             for srv in servers:
                 await asyncio.sleep(2.0)
-                drains.append(await asyncio.to_thread(restart, srv))
+                drains.append(drain_log(await asyncio.to_thread(srv.drain_then_start)))
 
-        async with AsyncSandboxClient([srv.url for srv in servers]) as client:
+        async with AsyncSandboxClient([srv.url for srv in servers], token=servers[0].token) as client:
             runs = asyncio.gather(*(one(seed) for seed in range(1, EPISODES + 1)))
             _, done = await asyncio.gather(restarts(), runs)
             return done
 
     try:
         for srv in servers:
-            srv.start(wait=False)
+            srv.start()
         for srv in servers:
-            wait_healthy(srv)
+            srv.wait()
         started = time.monotonic()
         done = asyncio.run(load())
         took = time.monotonic() - started
         healths = [httpx.get(f"{srv.url}/healthz", timeout=10).json() for srv in servers]
+        kind = type(servers[0]).__name__
     finally:
         for srv in servers:
             srv.stop()
     cut = {f"{i}-{sid}" for i, (_, ids) in enumerate(drains) for sid in ids}
-    print(f"{EPISODES} episodes in {took:.0f}s; drains (open at the signal, cut): {[(n, len(c)) for n, c in drains]}")
+    print(
+        f"{kind}: {EPISODES} episodes in {took:.0f}s; drains (open at the signal, cut):",
+        [(n, len(c)) for n, c in drains],
+    )
+    print("why sessions were given up:", [why for _, _, t in done for why in t.why])
 
     assert [r.finish_reason for _, r, _ in done] == ["answer"] * EPISODES
     for seed, result, _ in done:

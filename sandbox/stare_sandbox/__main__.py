@@ -176,7 +176,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m stare_sandbox
         try:
             detect_isolation("namespaces", cgroups=False)
         except RuntimeError as exc:
-            raise SystemExit(f"sandbox: --require-isolation: {exc}") from None
+            one_line = " ".join(str(exc).split())  # the probe's command holds a program of several lines
+            raise SystemExit(f"sandbox: --require-isolation: {one_line}") from None
     try:  # said here in one line; the pool's own claim would end the server with a traceback
         check_claimable(settings.pool.uid_base, settings.pool.max_kernels)
     except (RangeTaken, StateDirError, ValueError) as exc:

@@ -56,9 +56,10 @@ class Drain:
             raise RuntimeError("the server is draining already")
         self.started = time.monotonic()
         log.warning(
-            "draining (SIGTERM): no new sessions or stateless calls; %d sessions open, %d calls running or waiting; "
-            "exiting when they end, or in %gs",
+            "draining (SIGTERM): no new sessions or stateless calls; %d sessions open, %d opening, %d calls "
+            "running or waiting; exiting when they end, or in %gs",
             len(sessions),
+            sessions.opening,
             busy(),
             self.drain_s,
         )
@@ -70,6 +71,8 @@ class Drain:
             await asyncio.sleep(POLL_S)
         if not idle():
             self.deadline_passed = True
+            while sessions.opening:  # a session asked for before the signal is cut once it has its kernel
+                await asyncio.sleep(POLL_S)
             self.cut = sessions.ids()
             log.warning(
                 "drain deadline (%gs) passed: cutting %d sessions still open: %s",
@@ -77,7 +80,7 @@ class Drain:
                 len(self.cut),
                 " ".join(self.cut),
             )
-            while busy() or sessions.opening:  # a call running at the deadline is answered, not cut
+            while busy():  # a call running at the deadline is answered, not cut
                 await asyncio.sleep(POLL_S)
         await sessions.close_all()
         log.warning("drained in %.1fs; exiting", time.monotonic() - self.started)
