@@ -33,6 +33,7 @@ from stare_sandbox.schemas import RunResult
 from . import test_sandboxfusion
 from .containers import Container, image, podman
 from .test_clean_state import CHECK, PATCH, _leaks, _state
+from .test_isolation import ATTEMPT, WRITE
 
 pytestmark = pytest.mark.slow
 
@@ -180,21 +181,12 @@ def server(container: Container) -> Iterator[TokenProxy]:
         proxy.close()
 
 
-ISOLATION_PROBE = """
-import json, os, socket
-def connect(address):
-    try:
-        socket.create_connection(address, timeout=2).close()
-        return "connected"
-    except OSError as e:
-        return type(e).__name__
-def write(path):
-    try:
-        with open(path, "w") as f:
-            f.write("x")
-        return "written"
-    except OSError as e:
-        return type(e).__name__
+ISOLATION_PROBE = (
+    ATTEMPT
+    + "\n"
+    + WRITE
+    + """
+import json
 def cmdline(pid):
     try:
         return open(f"/proc/{pid}/cmdline").read().replace("\\0", " ")
@@ -203,7 +195,7 @@ def cmdline(pid):
 home = os.environ["HOME"]
 targets = ["/tmp/probe", "/opt/sandbox/probe", "/root/probe", "/etc/probe", os.path.dirname(home) + "/probe"]
 print(json.dumps({
-    "connect": [connect(("1.1.1.1", 53)), connect(("127.0.0.1", 8765))],  # the internet, the server's own port
+    "connect": [attempt(("1.1.1.1", 53)), attempt(("127.0.0.1", 8765))],  # the internet, the server's own port
     "outside_scratch": [write(path) for path in targets],
     "in_scratch": write(home + "/probe"),
     "ids": [os.getuid(), os.geteuid(), os.getgid(), os.getgroups()],
@@ -211,6 +203,7 @@ print(json.dumps({
     "environment": dict(os.environ),
 }))
 """
+)
 
 
 def test_isolation_probes_from_inside_the_container(container: Container, client: SandboxClient):

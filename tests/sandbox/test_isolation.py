@@ -377,34 +377,41 @@ def expected_rlimits(limits: Limits) -> list[list[int]]:
 
 # --- namespace mode ----------------------------------------------------------------------------------
 
-
-def test_no_network(ns_kernel, host_listener):
-    setup = """import socket
+ATTEMPT = """import socket
 def attempt(address):
     try:
         socket.create_connection(address, timeout=2).close()
         return "connected"
     except OSError as e:
         return type(e).__name__"""
-    results = ns_kernel.value(f"[attempt(('1.1.1.1', 53)), attempt(('127.0.0.1', {host_listener}))]", setup)
-    assert "connected" not in results, results
-
-
-def test_file_system_read_only_outside_scratch(ns_kernel):
-    setup = """import os
+"""Defines attempt(address): "connected", or the name of the error a connection got (test_container.py too)."""
+WRITE = """import os
 def write(path):
     try:
         with open(path, "w") as f:
             f.write("x")
         return "written"
     except OSError as e:
-        return type(e).__name__
+        return type(e).__name__"""
+"""Defines write(path): "written", or the name of the error writing the file got (test_container.py too)."""
+
+
+def test_no_network(ns_kernel, host_listener):
+    results = ns_kernel.value(f"[attempt(('1.1.1.1', 53)), attempt(('127.0.0.1', {host_listener}))]", ATTEMPT)
+    assert "connected" not in results, results
+
+
+def test_file_system_read_only_outside_scratch(ns_kernel):
+    setup = (
+        WRITE
+        + """
 def read(path):
     try:
         open(path).read()
         return "read"
     except OSError as e:
         return type(e).__name__"""
+    )
     marker = f"sandbox-test-{os.getpid()}"
     targets = [f"/tmp/{marker}", f"/root/{marker}", f"/work/{marker}", f"{ns_kernel.scratch.parent}/{marker}"]
     results = ns_kernel.value(f"[write(p) for p in {targets!r}]", setup)
