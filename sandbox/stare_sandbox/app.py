@@ -3,7 +3,9 @@
 Admission control keeps the service responsive under load: at most `max_running` calls run at
 once, at most `max_waiting` more wait; beyond that a call gets 429 with Retry-After at once instead
 of hanging, and one that has not started within queue_wait_s gets 503 with Retry-After. With a token
-configured, every route but /healthz needs `Authorization: Bearer <token>`.
+configured, every route but /healthz and /readyz needs `Authorization: Bearer <token>`. While the server drains
+(drain.py, after SIGTERM) new sessions and stateless calls get 503 with the DRAINING_HEADER; /healthz and /readyz
+say whether a new session would be taken now (readiness).
 """
 
 from __future__ import annotations
