@@ -198,7 +198,7 @@ def test_a_server_refusing_calls_is_skipped(servers: list[Server]):
 
         async def go() -> None:
             async with httpx.AsyncClient(base_url=busy.url, timeout=60) as http:
-                code = {"code": "import time; time.sleep(60)", "timeout_s": 30}
+                code = {"code": "import time; time.sleep(60)", "timeout_s": 8}  # the stop waits for it
                 slow = asyncio.ensure_future(http.post("/v1/execute", json=code))
                 while health(busy.url)["running"] == 0:
                     await asyncio.sleep(0.05)
