@@ -240,6 +240,8 @@ def _readonly_root(scratch: Path, shm_mb: int, hide_siblings: bool = False) -> N
         hidden = covered and mount_point != covered and _under(mount_point, covered)
         if hidden and not any(_under(mount_point, k) for k in uncovered):
             continue  # under the tmpfs over the scratch root: out of reach, and no longer a mount point there
+        if _unreachable(mount_point):
+            continue  # behind a directory this user may not search: out of the kernel's reach, and of mount's
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for name in options:
             flags |= _KEPT_FLAGS.get(name, 0)
@@ -269,6 +271,19 @@ def _mounts() -> list[tuple[str, set[str]]]:
             mounts.pop(point, None)  # re-insert, so the order stays that of the top mounts
             mounts[point] = set(fields[5].split(","))
     return list(mounts.items())
+
+
+def _unreachable(path: str) -> bool:
+    """Whether `path` cannot be looked up: a directory on the way is not searchable by this process (not root, in a
+    user namespace, under another user's 0700 directory: podman's storage mounts under /var/lib/containers, say).
+    Remounting it fails for that reason, and the kernel's code, with no capabilities, cannot reach it either."""
+    try:
+        os.stat(path)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _under(path: str, top: str) -> bool:
@@ -411,7 +426,8 @@ def _network_is_off() -> bool:
 
 def _all_readonly(scratch: Path) -> bool:
     keep = [str(scratch), "/proc", "/dev/shm"]
-    return all("ro" in options for point, options in _mounts() if not any(_under(point, k) for k in keep))
+    reachable = [(point, options) for point, options in _mounts() if not _unreachable(point)]
+    return all("ro" in options for point, options in reachable if not any(_under(point, k) for k in keep))
 
 
 def _can_write(path: Path) -> bool:

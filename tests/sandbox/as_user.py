@@ -2,6 +2,9 @@
 
     python tests/sandbox/as_user.py UID SCRIPT [ARGS...]     # as root
 
+$AS_USER_BIND: paths (separated by ":") bind-mounted onto themselves in that mount namespace first, e.g. a mount
+point behind a directory only root may search, as podman's storage mounts under /var/lib/containers are.
+
 The suite runs as root, with an interpreter that may sit under a directory only root may enter (/root, mode 0700)
 and a checkout that may too (a 0700 temporary dir). This makes its own mount namespace, covers each such
 directory with an empty tmpfs into which only the paths needed are bound back (stare_sandbox.launch does the same
@@ -28,6 +31,8 @@ def main() -> None:
     if libc.unshare(CLONE_NEWNS) != 0:
         raise SystemExit(f"as_user: unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}")
     launch._mount(None, "/", None, launch.MS_REC | launch.MS_PRIVATE)
+    for path in filter(None, os.environ.pop("AS_USER_BIND", "").split(":")):
+        launch._mount(path, path, None, launch.MS_BIND)
     needed = [*launch._interpreter_paths(), str(Path(script).resolve().parent), str(Path.cwd())]
     launch._expose(sorted({os.path.realpath(p) for p in needed}))
     os.setgroups([])

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,14 +37,14 @@ def host_allows_user_namespaces() -> bool:
     return subprocess.run([*user, *unshare], capture_output=True, timeout=60).returncode == 0
 
 
-def run_as_user(tmp_path: Path) -> tuple[dict, Path]:
+def run_as_user(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[dict, Path]:
     home = tmp_path / "user"
     run_folder = home / "run"  # stands in for the run folder: the job's user owns it and may write it
     run_folder.mkdir(parents=True)
     for path in (home, run_folder):
         os.chown(path, UID, UID)
     tmp_path.chmod(0o755)
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "TMPDIR": str(home)}
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "TMPDIR": str(home), **(env or {})}
     argv = [sys.executable, str(HERE / "as_user.py"), str(UID), str(HERE / "in_engine_as_user.py"), str(run_folder)]
     done = subprocess.run(argv, env=env, cwd=home, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -53,7 +54,14 @@ def run_as_user(tmp_path: Path) -> tuple[dict, Path]:
 @needs_root
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare is not installed")
 def test_tool_calls_work_and_stay_in_their_scratch_dir_as_a_user_with_many_threads(tmp_path):
-    report, run_folder = run_as_user(tmp_path)
+    # A mount point the user cannot reach (behind a directory only root may search), as podman's storage mounts under
+    # /var/lib/containers are while containers run: the launcher cannot remount it read-only, and need not.
+    locked = Path(tempfile.mkdtemp(prefix="stare-locked-", dir="/var/tmp"))  # 0700, root's; not under tmp_path,
+    (locked / "mounted").mkdir()  # which as_user.py covers with a tmpfs (a 0700 directory of root's)
+    try:
+        report, run_folder = run_as_user(tmp_path, {"AS_USER_BIND": str(locked / "mounted")})
+    finally:
+        shutil.rmtree(locked)
     assert report["uid"] == UID and report["threads_held"] >= 100
     if not host_allows_user_namespaces():  # then the refusal is what a user sees
         assert not report["started"] and "sandbox service" in report["check_sandbox"], report
