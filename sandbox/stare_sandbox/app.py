@@ -269,7 +269,6 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="stare-agent sandbox", version="1", lifespan=lifespan)
     app.state.pool, app.state.sessions, app.state.admission = pool, sessions, admission
-    app.state.drain = drain
 
     async def run_drain() -> list[str]:
         """Drain this server (drain.py); returns the ids of the sessions cut at the deadline."""

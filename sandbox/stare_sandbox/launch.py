@@ -281,8 +281,8 @@ def _unreachable(path: str) -> bool:
         os.stat(path)
     except PermissionError:
         return True
-    except OSError:
-        return False
+    except OSError:  # gone meanwhile, say: not this case
+        pass
     return False
 
 

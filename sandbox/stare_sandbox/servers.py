@@ -62,6 +62,10 @@ class Server:
     calls: int = 0
     """Requests this client sent there (probes excluded)."""
 
+    @property
+    def takes_new_work(self) -> bool:
+        return self.up and not self.draining
+
 
 Outcome = Literal["ok", "refused", "unreachable", "failed"]
 """ok: an answer to hand on (2xx, or a 4xx the client reports); refused: 429/503 with Retry-After, nothing ran;
@@ -81,7 +85,7 @@ class Servers:
     def pick(self, avoid: set[int], by_sessions: bool) -> Server | None:
         """The least loaded up server not in `avoid`, counted as in flight; ties in turn. None: no such server."""
         with self.lock:
-            up = [s for s in self.list if s.up and not s.draining and s.index not in avoid]
+            up = [s for s in self.list if s.takes_new_work and s.index not in avoid]
             if not up:
                 return None
             load = {s.index: (s.sessions, s.in_flight) if by_sessions else (s.in_flight,) for s in up}
@@ -107,15 +111,12 @@ class Servers:
         when no server takes new work) every such one not in `avoid`."""
         now = time.monotonic()
         with self.lock:
-            if all_down and any(s.up and not s.draining for s in self.list):
+            if all_down and any(s.takes_new_work for s in self.list):
                 return []
             due = [
                 s
                 for s in self.list
-                if (not s.up or s.draining)
-                and not s.probing
-                and s.index not in avoid
-                and (all_down or now >= s.retry_at)
+                if not s.takes_new_work and not s.probing and s.index not in avoid and (all_down or now >= s.retry_at)
             ]
             for s in due:
                 s.probing = True
