@@ -29,13 +29,10 @@ class Drain:
     """The drain state of one server; `run` drains it (once)."""
 
     def __init__(self, drain_s: float):
-        if drain_s < 0:
-            raise ValueError(f"drain_s must be >= 0; got {drain_s}")
         self.drain_s = drain_s
+        """Seconds open sessions may go on after the signal (ServerSettings.drain_s, checked there)."""
         self.started: float | None = None
         """monotonic time of the signal; None while serving normally."""
-        self.cut: list[str] = []
-        """Ids of the sessions still open at the deadline, closed by the drain."""
         self.deadline_passed = False
 
     @property
@@ -67,21 +64,22 @@ class Drain:
         def idle() -> bool:
             return not len(sessions) and not sessions.opening and not busy()
 
+        cut: list[str] = []
         while not idle() and self.left_s():
             await asyncio.sleep(POLL_S)
         if not idle():
-            self.deadline_passed = True
             while sessions.opening:  # a session asked for before the signal is cut once it has its kernel
                 await asyncio.sleep(POLL_S)
-            self.cut = sessions.ids()
+            # from here every call of a session gets 404: these, and only these, are cut (no session can be made)
+            cut, self.deadline_passed = sessions.ids(), True
             log.warning(
                 "drain deadline (%gs) passed: cutting %d sessions still open: %s",
                 self.drain_s,
-                len(self.cut),
-                " ".join(self.cut),
+                len(cut),
+                " ".join(cut),
             )
             while busy():  # a call running at the deadline is answered, not cut
                 await asyncio.sleep(POLL_S)
         await sessions.close_all()
         log.warning("drained in %.1fs; exiting", time.monotonic() - self.started)
-        return self.cut
+        return cut
